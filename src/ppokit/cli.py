@@ -1,0 +1,45 @@
+"""The ``ppokit`` command line: a thin layer over the public Python API.
+
+Each subcommand lives in the module that owns its job and registers itself through ``add_parser(subparsers)``;
+this file only wires them together, so ``ppokit --help`` stays cheap (heavy imports happen inside handlers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that provide subcommands, in the order ``--help`` lists them.
+_COMMAND_MODULES = [
+    "ppokit.commands.train",
+    "ppokit.commands.evaluate",
+    "ppokit.commands.objective",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="ppokit",
+        description="Proximal Policy Optimization: train, evaluate, plan and diagnose PPO runs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ppokit`` console script; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
