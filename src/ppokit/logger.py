@@ -1,0 +1,450 @@
+"""Metric sinks for training: CSV, TensorBoard and a rich console, plus a fan-out logger with alerts.
+
+Metrics are flat ``str -> float`` dicts with namespaced keys (``charts/episodic_return``,
+``losses/policy_loss``, ``diag/approx_kl``, ``perf/sps``...). NaN is a legitimate value meaning "nothing
+to report this update" (e.g. no episode finished), so every sink treats it as a gap rather than a number.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+__all__ = ["CSVSink", "TensorBoardSink", "ConsoleSink", "MetricsLogger"]
+
+# Each console column accepts a few spellings so the display does not break if the trainer renames a key.
+_RETURN_KEYS = ("charts/episodic_return", "charts/mean_return", "charts/return")
+_SPS_KEYS = ("perf/sps", "charts/SPS", "charts/sps")
+_KL_KEYS = ("diag/approx_kl", "losses/approx_kl")
+_TABLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("return", _RETURN_KEYS),
+    ("length", ("charts/episodic_length", "charts/mean_length", "charts/length")),
+    ("policy loss", ("losses/policy_loss", "losses/pg_loss")),
+    ("value loss", ("losses/value_loss", "losses/vf_loss")),
+    ("entropy", ("losses/entropy", "diag/entropy")),
+    ("approx KL", _KL_KEYS),
+    ("clipfrac", ("diag/clipfrac", "losses/clipfrac")),
+    ("expl. var", ("diag/explained_variance", "losses/explained_variance")),
+    ("lr", ("charts/learning_rate", "charts/lr", "optim/lr", "diag/lr")),
+    ("epochs", ("diag/epochs_run", "diag/epochs", "perf/epochs_run")),
+    ("SPS", _SPS_KEYS),
+)
+# "warn" and "alert" are the guard-rail monitor's two levels; the logging-style names are accepted too.
+_LEVEL_STYLES = {
+    "debug": "dim",
+    "info": "cyan",
+    "warn": "yellow",
+    "warning": "yellow",
+    "alert": "bold red",
+    "error": "bold red",
+    "critical": "bold white on red",
+}
+_SEVERE_LEVELS = ("alert", "error", "critical")
+
+
+def _as_float(value: Any) -> float:
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def _is_finite(value: Any) -> bool:
+    try:
+        return math.isfinite(_as_float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _fmt(value: float) -> str:
+    """Compact human formatting: thousands separators for big numbers, 3 significant digits otherwise."""
+    if not math.isfinite(value):
+        return "–"
+    if value != 0 and float(value).is_integer() and abs(value) < 1e15:
+        return f"{int(value):,}"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    if abs(value) >= 100:
+        return f"{value:.1f}"
+    return f"{value:.3g}"
+
+
+def _first(values: dict[str, float], keys: Iterable[str]) -> float | None:
+    for key in keys:
+        if key in values:
+            return values[key]
+    return None
+
+
+def _json_safe(obj: Any) -> Any:
+    """Turn alert payloads into strict JSON: tensors/arrays to lists, non-finite floats to strings."""
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)
+    if hasattr(obj, "tolist"):  # torch tensors, numpy arrays and numpy scalars
+        return _json_safe(obj.tolist())
+    return str(obj)
+
+
+class CSVSink:
+    """Append-only CSV of metrics: ``global_step`` then the metric keys, one flushed row per update."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.columns: list[str] | None = None
+        needs_newline = False
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), None)
+            if not header or header[0] != "global_step":
+                raise ValueError(f"{self.path} exists but is not a ppokit metrics CSV (first column is not global_step)")
+            self.columns = header
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                # A crash mid-row leaves no trailing newline; start the resumed rows on a fresh line.
+                needs_newline = f.read(1) not in (b"\n", b"\r")
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
+        if needs_newline:
+            self._file.write("\n")
+        self._writer = csv.writer(self._file)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one row; NaN becomes an empty cell, a key outside the fixed header raises ValueError."""
+        if "global_step" in metrics:
+            raise ValueError("'global_step' is reserved for the step column; pass it as `step`")
+        if self.columns is None:
+            self.columns = ["global_step", *metrics]
+            self._writer.writerow(self.columns)
+        else:
+            known = set(self.columns)
+            unknown = [k for k in metrics if k not in known]
+            if unknown:
+                raise ValueError(
+                    f"metric key(s) {unknown} are not in the CSV header of {self.path}; "
+                    "the key set is fixed at the first row"
+                )
+        row = [str(int(step))]
+        for key in self.columns[1:]:
+            row.append(self._cell(metrics.get(key, math.nan)))
+        self._writer.writerow(row)
+        self._file.flush()
+
+    @staticmethod
+    def _cell(value: Any) -> str:
+        if isinstance(value, bool):
+            return str(int(value))
+        if isinstance(value, int):
+            return str(value)
+        f = _as_float(value)
+        return "" if math.isnan(f) else repr(f)
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> CSVSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorBoardSink:
+    """Scalars and text to TensorBoard event files under ``log_dir``."""
+
+    def __init__(self, log_dir: str | os.PathLike, flush_secs: int = 10):
+        # Imported here so runs without TensorBoard do not pay for loading it.
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+        self._closed = False
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Add one scalar per finite metric; NaN/Inf are skipped so plots show gaps, not spikes."""
+        for key, value in metrics.items():
+            if _is_finite(value):
+                self._writer.add_scalar(key, _as_float(value), global_step=int(step))
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Add a markdown text entry under ``tag``."""
+        self._writer.add_text(tag, text, global_step=int(step))
+
+    def flush(self) -> None:
+        """Force pending events to disk."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._writer.close()
+
+
+class ConsoleSink:
+    """Rich console output: a live progress bar on a terminal, plain progress lines otherwise, periodic tables."""
+
+    def __init__(self, total_timesteps: int, log_every: int = 10, console: Console | None = None, enabled: bool = True):
+        if int(total_timesteps) <= 0:
+            raise ValueError(f"total_timesteps must be positive, got {total_timesteps}")
+        if int(log_every) < 1:
+            raise ValueError(f"log_every must be >= 1, got {log_every}")
+        self.total_timesteps = int(total_timesteps)
+        self.log_every = int(log_every)
+        self.enabled = bool(enabled)
+        injected = console is not None
+        self.console = console if injected else Console()
+        self._latest: dict[str, float] = {}  # last finite value of each key, so a NaN update keeps the old number
+        self._step = 0
+        self._updates = 0
+        self._last_line_update = 0
+        self._closed = False
+        self._progress: Progress | None = None
+        self._task = None
+        if self.enabled and self.console.is_terminal and not self.console.is_dumb_terminal:
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=None),
+                TaskProgressColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+                # Redirecting sys.stdout only makes sense for the real terminal, never an injected console.
+                redirect_stdout=not injected,
+                redirect_stderr=not injected,
+                refresh_per_second=4,
+            )
+            self._task = self._progress.add_task(self._description(), total=self.total_timesteps)
+            self._progress.start()
+
+    @property
+    def live(self) -> bool:
+        """True when a live progress bar is being drawn."""
+        return self._progress is not None
+
+    def _stat_parts(self, markup: bool) -> list[str]:
+        parts = []
+        ret = _first(self._latest, _RETURN_KEYS)
+        if ret is not None:
+            parts.append(f"return [bold]{ret:.1f}[/]" if markup else f"return {ret:.1f}")
+        elif markup:
+            parts.append("return –")
+        sps = _first(self._latest, _SPS_KEYS)
+        if sps is not None:
+            parts.append(f"SPS {sps:,.0f}")
+        kl = _first(self._latest, _KL_KEYS)
+        if kl is not None:
+            parts.append(f"KL {kl:.3g}")
+        return parts
+
+    def _description(self) -> str:
+        return " | ".join(self._stat_parts(markup=True))
+
+    def progress_line(self) -> str:
+        """Plain one-line progress summary, e.g. ``[ 12% ] step 12,288/100,000 | return 23.1 | SPS 4,100``."""
+        pct = min(100.0, 100.0 * self._step / self.total_timesteps)
+        head = f"[{pct:3.0f}% ] step {self._step:,}/{self.total_timesteps:,}"
+        return " | ".join([head, *self._stat_parts(markup=False)])
+
+    def table(self, step: int) -> Table:
+        """A one-row table of the key metrics seen so far."""
+        table = Table(title=f"update {self._updates:,} · step {step:,}", title_justify="left", expand=False)
+        values = []
+        for label, keys in _TABLE_COLUMNS:
+            value = _first(self._latest, keys)
+            if value is not None:
+                table.add_column(label, justify="right", no_wrap=True)
+                values.append(_fmt(value))
+        if values:
+            table.add_row(*values)
+        return table
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Advance the bar to ``step`` and print a table (and, off-terminal, a progress line) every ``log_every``."""
+        if not self.enabled or self._closed:
+            return
+        for key, value in metrics.items():
+            if _is_finite(value):
+                self._latest[key] = _as_float(value)
+        self._step = int(step)
+        self._updates += 1
+        if self._progress is not None and self._updates == 1:
+            # A resumed run starts far from 0; without a reset that jump would count as speed and wreck the ETA.
+            self._progress.reset(self._task, completed=min(self._step, self.total_timesteps))
+        if self._progress is not None:
+            # refresh=True so anything printed above the bar right after this sees the new state, not a stale one.
+            self._progress.update(
+                self._task,
+                completed=min(self._step, self.total_timesteps),
+                description=self._description(),
+                refresh=True,
+            )
+        if self._updates % self.log_every == 0:
+            if self._progress is None:
+                self._print_line()
+            self.console.print(self.table(self._step))
+
+    def _print_line(self) -> None:
+        self.console.print(self.progress_line(), markup=False, highlight=False, soft_wrap=True)
+        self._last_line_update = self._updates
+
+    def alert(self, step: int, level: str, name: str, message: str) -> None:
+        """Print a coloured alert line (above the bar when one is live)."""
+        if not self.enabled:
+            return
+        level = str(level).lower()
+        style = _LEVEL_STYLES.get(level, "magenta")
+        self.console.print(
+            f"[{style}]{escape(level.upper())}[/] step {int(step):,} [bold]{escape(str(name))}[/]: {escape(str(message))}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    def print(self, renderable: Any) -> None:
+        """Print any rich renderable through this sink's console (no-op when disabled)."""
+        if self.enabled:
+            self.console.print(renderable)
+
+    def close(self) -> None:
+        """Stop the bar; off-terminal, print a final progress line if the last one is stale (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._progress is not None:
+            self._progress.update(self._task, description=self._description())
+            self._progress.stop()
+        elif self.enabled and self._updates > self._last_line_update:
+            self._print_line()
+
+
+class MetricsLogger:
+    """Fan-out of metrics to CSV, TensorBoard and the console, plus a persistent alert log."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        total_timesteps: int,
+        log_every: int = 10,
+        tensorboard: bool = True,
+        console: bool = True,
+        console_obj: Console | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.alerts_path = self.run_dir / "alerts.jsonl"
+        self.alerts: list[dict[str, Any]] = []
+        self.start_time = time.time()
+        self._closed = False
+        self.csv = CSVSink(self.run_dir / "metrics.csv")
+        self.tb: TensorBoardSink | None = None
+        try:
+            if tensorboard:
+                self.tb = TensorBoardSink(self.run_dir / "tb")
+            self.console = ConsoleSink(total_timesteps, log_every=log_every, console=console_obj, enabled=console)
+        except BaseException:
+            self.csv.close()
+            if self.tb is not None:
+                self.tb.close()
+            raise
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Send one update's metrics to every sink."""
+        self.csv.write(step, metrics)
+        if self.tb is not None:
+            self.tb.write(step, metrics)
+        self.console.write(step, metrics)
+
+    def alert(self, step: int, level: str, name: str, message: str, data: Any = None) -> dict[str, Any]:
+        """Record an alert in alerts.jsonl, TensorBoard text ``alerts/<name>``, the console and ``self.alerts``."""
+        record = {
+            "step": int(step),
+            "level": str(level).lower(),
+            "name": str(name),
+            "message": str(message),
+            "data": _json_safe(data),
+            "time": time.time(),
+        }
+        # Opened per alert: alerts are rare and each one should be on disk even if the run dies right after.
+        with open(self.alerts_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+        self.alerts.append(record)
+        if self.tb is not None:
+            text = f"**{record['level']}** (step {record['step']:,}): {record['message']}"
+            if record["data"] is not None:
+                text += f"\n\n```\n{json.dumps(record['data'], indent=2)}\n```"
+            self.tb.text(step, f"alerts/{name}", text)
+        self.console.alert(step, level, name, message)
+        return record
+
+    def alerts_overview(self) -> str:
+        """One-line count of alerts by level and name, e.g. ``3 (2 warning, 1 error): kl_spike x2, nan_loss``."""
+        if not self.alerts:
+            return "none"
+        by_level: dict[str, int] = {}
+        by_name: dict[str, int] = {}
+        for a in self.alerts:
+            by_level[a["level"]] = by_level.get(a["level"], 0) + 1
+            by_name[a["name"]] = by_name.get(a["name"], 0) + 1
+        levels = ", ".join(f"{n} {lvl}" for lvl, n in by_level.items())
+        names = ", ".join(name if n == 1 else f"{name} x{n}" for name, n in by_name.items())
+        return f"{len(self.alerts)} ({levels}): {names}"
+
+    def summary(self, lines: dict[str, str], title: str = "run summary") -> None:
+        """Print an end-of-run panel of ``lines``; adds wall time and alerts when the caller did not."""
+        rows = dict(lines)
+        rows.setdefault("wall time", f"{time.time() - self.start_time:,.1f} s")
+        rows.setdefault("alerts", self.alerts_overview())
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold", no_wrap=True)
+        grid.add_column()
+        for key, value in rows.items():
+            grid.add_row(escape(str(key)), escape(str(value)))
+        style = "red" if any(a["level"] in _SEVERE_LEVELS for a in self.alerts) else (
+            "yellow" if self.alerts else "green"
+        )
+        self.console.print(Panel(grid, title=escape(title), border_style=style, expand=False))
+
+    def close(self) -> None:
+        """Stop the console bar and close the CSV and TensorBoard files (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.console.close()
+        finally:
+            try:
+                self.csv.close()
+            finally:
+                if self.tb is not None:
+                    self.tb.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
