@@ -1,0 +1,65 @@
+"""The rollout buffer: preallocated, time-major ``[T, N, ...]`` tensors on the training device.
+
+Written once per step during the rollout and read once per update; nothing is reallocated between rollouts and
+nothing is copied from numpy storage at update time (the observations land here as tensors as they arrive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RolloutBuffer:
+    """One rollout of ``T`` steps from ``N`` envs.
+
+    ``logp`` is log pi_old(a|s), frozen at acting time: the denominator of every ratio in the update.
+    ``valid`` is False for steps that carry no transition (the reset step of Gymnasium's NEXT_STEP autoreset,
+    or a step whose observation or reward was non-finite); they are left out of the update.
+    ``final_values`` holds V(final observation) for steps that were truncated by a time limit in SAME_STEP
+    autoreset mode, where the observation returned is already the next episode's.
+    """
+
+    obs: Tensor  # [T, N, obs_dim] float32, normalized as the policy saw it
+    actions: Tensor  # [T, N] long (discrete) | [T, N, k] long (multidiscrete) | [T, N, D] float (continuous)
+    logp: Tensor  # [T, N]
+    values: Tensor  # [T, N] V(s_t) at acting time
+    rewards: Tensor  # [T, N] (scaled when reward normalization is on)
+    terminated: Tensor  # [T, N] bool
+    truncated: Tensor  # [T, N] bool
+    valid: Tensor  # [T, N] bool
+    final_values: Tensor  # [T, N] V(final obs) where has_final, else 0
+    has_final: Tensor  # [T, N] bool: the step ended an episode and its final obs was not the next obs
+
+    @classmethod
+    def allocate(cls, num_steps: int, num_envs: int, obs_dim: int, action_shape: tuple[int, ...],
+                 action_dtype: torch.dtype, device: torch.device | str) -> "RolloutBuffer":
+        """Zeroed storage for ``num_steps x num_envs`` transitions on ``device``."""
+        T, N = num_steps, num_envs
+
+        def z(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            obs=z(T, N, obs_dim),
+            actions=z(T, N, *action_shape, dtype=action_dtype),
+            logp=z(T, N),
+            values=z(T, N),
+            rewards=z(T, N),
+            terminated=z(T, N, dtype=torch.bool),
+            truncated=z(T, N, dtype=torch.bool),
+            valid=z(T, N, dtype=torch.bool),
+            final_values=z(T, N),
+            has_final=z(T, N, dtype=torch.bool),
+        )
+
+    def next_values(self, last_values: Tensor) -> Tensor:
+        """V of the observation that followed each step, ``[T, N]``; ``last_values`` is V(obs after step T-1).
+
+        For a step truncated in SAME_STEP mode the final observation's value replaces the reset observation's.
+        """
+        nxt = torch.cat([self.values[1:], last_values.unsqueeze(0)], 0)
+        return torch.where(self.has_final, self.final_values, nxt)

@@ -1,0 +1,165 @@
+"""Actor-critic MLP policies and their action distributions.
+
+The three policies of PPO are kept apart by construction: ``ActorCritic`` is pi_theta (the module being
+optimized); pi_old is never a module but the ``logp_old`` tensor frozen into the rollout buffer at acting time
+(the ratio's denominator); pi_ref (a frozen reference for a KL penalty) is a separate, frozen copy made with
+``frozen_copy`` and only ever enters a penalty term.
+
+Distributions are written with plain tensor ops rather than ``torch.distributions``: the hot path samples and
+scores thousands of actions per update, and argument validation and object construction dominate there.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .objectives import categorical_entropy, gaussian_entropy
+
+__all__ = ["ActorCritic", "build_policy", "frozen_copy", "layer_init", "ACTIVATIONS"]
+
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def layer_init(layer: nn.Linear, gain: float, bias: float = 0.0) -> nn.Linear:
+    """Orthogonal weight init with ``gain`` and a constant bias (the PPO implementation-details default)."""
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+def mlp(in_dim: int, hidden: list[int], out_dim: int, activation: str, out_gain: float) -> nn.Sequential:
+    """Linear-activation stack ``in_dim -> hidden... -> out_dim``; hidden gain sqrt(2), head gain ``out_gain``."""
+    act = ACTIVATIONS[activation]
+    layers: list[nn.Module] = []
+    last = in_dim
+    for width in hidden:
+        layers += [layer_init(nn.Linear(last, width), math.sqrt(2.0)), act()]
+        last = width
+    layers.append(layer_init(nn.Linear(last, out_dim), out_gain))
+    return nn.Sequential(*layers)
+
+
+class ActorCritic(nn.Module):
+    """Separate actor and critic MLPs over a flat observation.
+
+    ``kind`` is ``discrete`` (categorical over ``action_dims[0]`` actions), ``multidiscrete`` (independent
+    categoricals, one per entry of ``action_dims``) or ``continuous`` (diagonal Gaussian with a state-independent
+    learned log-std over ``action_dims[0]`` dims).
+    """
+
+    def __init__(self, obs_dim: int, kind: str, action_dims: list[int], hidden_sizes: list[int], activation: str = "tanh"):
+        super().__init__()
+        if kind not in ("discrete", "multidiscrete", "continuous"):
+            raise ValueError(f"unsupported action kind {kind!r}")
+        self.obs_dim = obs_dim
+        self.kind = kind
+        self.action_dims = list(action_dims)
+        self.activation = activation
+        self.hidden_sizes = list(hidden_sizes)
+        n_out = sum(action_dims) if kind != "continuous" else action_dims[0]
+        self.actor = mlp(obs_dim, hidden_sizes, n_out, activation, out_gain=0.01)
+        self.critic = mlp(obs_dim, hidden_sizes, 1, activation, out_gain=1.0)
+        if kind == "continuous":
+            self.log_std = nn.Parameter(torch.zeros(action_dims[0]))
+
+    # ------------------------------------------------------------------ distribution pieces
+    def value(self, obs: Tensor) -> Tensor:
+        """State values ``[B, obs_dim] -> [B]``."""
+        return self.critic(obs).squeeze(-1)
+
+    def log_prob_entropy(self, head: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
+        """Log-probability of ``actions`` and entropy from the actor's output ``head``; both ``[B]``."""
+        if self.kind == "continuous":
+            log_std = self.log_std.expand_as(head)
+            z = (actions - head) * torch.exp(-log_std)
+            logp = (-0.5 * z * z - log_std - _LOG_SQRT_2PI).sum(-1)
+            return logp, gaussian_entropy(log_std)
+        if self.kind == "discrete":
+            logits = head - head.logsumexp(-1, keepdim=True)
+            logp = logits.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+            return logp, categorical_entropy(logits)
+        logp = torch.zeros(head.shape[0], device=head.device, dtype=head.dtype)
+        ent = torch.zeros_like(logp)
+        for i, chunk in enumerate(torch.split(head, self.action_dims, dim=-1)):
+            chunk = chunk - chunk.logsumexp(-1, keepdim=True)
+            logp = logp + chunk.gather(-1, actions[:, i].long().unsqueeze(-1)).squeeze(-1)
+            ent = ent + categorical_entropy(chunk)
+        return logp, ent
+
+    def sample(self, head: Tensor, deterministic: bool = False) -> Tensor:
+        """Actions from the actor's output ``head``: ``[B]`` ints (discrete), ``[B, k]`` (multi), ``[B, D]`` floats."""
+        if self.kind == "continuous":
+            if deterministic:
+                return head
+            return head + torch.exp(self.log_std) * torch.randn_like(head)
+        chunks = [head] if self.kind == "discrete" else torch.split(head, self.action_dims, dim=-1)
+        picks = []
+        for chunk in chunks:
+            if deterministic:
+                picks.append(chunk.argmax(-1))
+            else:
+                # Gumbel-max: one fused op per batch instead of a multinomial draw per row.
+                u = torch.rand_like(chunk).clamp_(min=1e-20)
+                picks.append((chunk - torch.log(-torch.log(u))).argmax(-1))
+        return picks[0] if self.kind == "discrete" else torch.stack(picks, -1)
+
+    # ------------------------------------------------------------------ the two calls PPO makes
+    def act(self, obs: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Acting: ``obs [B, obs_dim] -> (actions, logp [B], values [B])``; call under ``torch.inference_mode``."""
+        head = self.actor(obs)
+        actions = self.sample(head, deterministic)
+        logp, _ = self.log_prob_entropy(head, actions)
+        return actions, logp, self.value(obs)
+
+    def evaluate(self, obs: Tensor, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Update: ``(logp_new [B], entropy [B], values [B])`` of stored ``actions`` under pi_theta."""
+        logp, ent = self.log_prob_entropy(self.actor(obs), actions)
+        return logp, ent, self.value(obs)
+
+    def spec(self) -> dict:
+        """Constructor arguments, to rebuild the module from a checkpoint."""
+        return {"obs_dim": self.obs_dim, "kind": self.kind, "action_dims": self.action_dims,
+                "hidden_sizes": self.hidden_sizes, "activation": self.activation}
+
+
+def action_spec(action_space) -> tuple[str, list[int]]:
+    """``(kind, action_dims)`` for a Gymnasium action space; ValueError for unsupported spaces."""
+    from gymnasium import spaces
+
+    if isinstance(action_space, spaces.Discrete):
+        return "discrete", [int(action_space.n)]
+    if isinstance(action_space, spaces.MultiDiscrete):
+        if action_space.nvec.ndim != 1:
+            raise ValueError("MultiDiscrete action spaces must be one-dimensional")
+        return "multidiscrete", [int(n) for n in action_space.nvec]
+    if isinstance(action_space, spaces.Box):
+        if len(action_space.shape) != 1:
+            raise ValueError(f"Box action spaces must be one-dimensional, got shape {action_space.shape}")
+        return "continuous", [int(action_space.shape[0])]
+    raise ValueError(
+        f"unsupported action space {type(action_space).__name__}: ppokit supports Discrete, MultiDiscrete and "
+        "one-dimensional Box actions")
+
+
+def build_policy(observation_space, action_space, hidden_sizes: list[int], activation: str) -> ActorCritic:
+    """An ``ActorCritic`` for single-env Gymnasium spaces (flat Box observations)."""
+    from gymnasium import spaces
+
+    if not isinstance(observation_space, spaces.Box):
+        raise ValueError(f"unsupported observation space {type(observation_space).__name__}: ppokit's MLP policies "
+                         "need a Box observation (wrap Discrete observations with a one-hot wrapper)")
+    kind, dims = action_spec(action_space)
+    return ActorCritic(int(np.prod(observation_space.shape)), kind, dims, hidden_sizes, activation)
+
+
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """A deep copy with gradients off and eval mode: a frozen pi_ref that optimization cannot touch."""
+    ref = copy.deepcopy(module)
+    ref.requires_grad_(False)
+    return ref.eval()

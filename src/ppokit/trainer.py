@@ -1,0 +1,501 @@
+"""The PPO training loop: rollout -> GAE -> K epochs of minibatches -> discard, with diagnostics every update.
+
+``train(config)`` is the public entry point. ``Trainer`` holds the train state (policy, optimizer, normalizers,
+environments, RNG, step counters) so that it can be checkpointed and resumed; its ``run`` method reads top to
+bottom as the lesson's algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from .advantages import gae
+from .buffer import RolloutBuffer
+from .config import PPOConfig
+from .monitor import Monitor
+from .normalize import ObsNormalizer, RewardScaler
+from .objectives import explained_variance
+from .policies import ActorCritic, build_policy
+from .update import Batch, UpdateSettings, ppo_update
+
+__all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+PERF_PHASES = ("env", "inference", "advantages", "update", "logging")
+
+
+@dataclass
+class Run:
+    """The result of ``train``: where it wrote, what it measured."""
+
+    run_dir: Path
+    config: PPOConfig
+    metrics: list[dict[str, float]]
+    policy: ActorCritic
+    global_step: int
+    alerts: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+
+    @property
+    def checkpoint(self) -> Path:
+        """Path of the run's latest checkpoint."""
+        return self.run_dir / CHECKPOINT_NAME
+
+
+def default_run_dir(config: PPOConfig) -> Path:
+    """``runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>``, unique within the second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"{config.env_id.replace('/', '-')}__{config.algo}__s{config.seed}__{stamp}"
+    path, i = base, 1
+    while path.exists():
+        path, i = Path(f"{base}-{i}"), i + 1
+    return path
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch global RNGs."""
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """PPO train state plus the loop. Build with a validated config; ``run()`` trains to ``total_timesteps``."""
+
+    def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
+                 console_enabled: bool = True, resume_state: dict | None = None):
+        from .envs import check_env_id, check_spaces, make_vec_env
+        from .envs.factory import autoreset_mode
+        from .logger import MetricsLogger
+
+        self.config = cfg = config.validate()
+        torch.set_num_threads(cfg.torch_threads)
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            from .config import ConfigError
+
+            raise ConfigError("device", "CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
+        check_env_id(cfg.env_id)
+        seed_everything(cfg.seed)
+
+        # Environments and the policy pi_theta.
+        self.envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode)
+        self.action_kind = check_spaces(self.envs)
+        import gymnasium as gym
+
+        self.same_step = autoreset_mode(self.envs) == gym.vector.AutoresetMode.SAME_STEP
+        obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
+        self.policy = build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation).to(self.device)
+        self.obs_dim = self.policy.obs_dim
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5,
+                                          **_adam_kwargs(self.device))
+        if self.action_kind == "continuous":
+            self.action_low = np.asarray(act_space.low, dtype=np.float32)
+            self.action_high = np.asarray(act_space.high, dtype=np.float32)
+        action_shape = () if self.policy.kind == "discrete" else (len(self.policy.action_dims),)
+        if self.policy.kind == "continuous":
+            action_shape = (self.policy.action_dims[0],)
+        action_dtype = torch.float32 if self.policy.kind == "continuous" else torch.long
+        self.buffer = RolloutBuffer.allocate(cfg.num_steps, cfg.num_envs, self.obs_dim, action_shape, action_dtype,
+                                             self.device)
+
+        # Normalization statistics (saved in checkpoints, frozen at evaluation).
+        self.obs_norm = ObsNormalizer((self.obs_dim,), device=self.device) if cfg.normalize_obs else None
+        self.reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma, device=self.device) if cfg.normalize_reward else None
+
+        # Counters and per-env episode bookkeeping (raw, unscaled rewards).
+        self.global_step = 0
+        self.update_idx = 0
+        self.kl_beta = cfg.init_kl_beta
+        self.ep_return = np.zeros(cfg.num_envs, dtype=np.float64)
+        self.ep_length = np.zeros(cfg.num_envs, dtype=np.int64)
+        self.prev_done = np.zeros(cfg.num_envs, dtype=bool)
+        self.monitor = Monitor()
+        self.perf = dict.fromkeys(PERF_PHASES, 0.0)
+        self._stop_requested = False
+
+        self.run_dir = Path(run_dir or cfg.run_dir or default_run_dir(cfg))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save_toml(self.run_dir / "config.toml")
+        if cfg.unsafe:
+            (self.run_dir / "UNSAFE").write_text(
+                "This run was started with --unsafe; it breaks these guard rails:\n"
+                + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
+
+        raw_obs, _ = self.envs.reset(seed=cfg.seed)
+        self.envs.action_space.seed(cfg.seed)
+        self.next_obs_raw = np.asarray(raw_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
+        if resume_state is not None:
+            self._load_state(resume_state)
+        self.logger = MetricsLogger(self.run_dir, cfg.total_timesteps, log_every=cfg.log_every,
+                                    tensorboard=cfg.tensorboard, console=console_enabled, console_obj=console)
+        self.metrics: list[dict[str, float]] = []
+        if cfg.unsafe:
+            self.logger.alert(self.global_step, "warn", "unsafe_run",
+                              "run started with --unsafe: " + "; ".join(r for _, r in cfg.guard_rail_violations()))
+
+    # ================================================================== the loop
+    def run(self) -> Run:
+        """Train until ``total_timesteps`` (or Ctrl-C, which finishes the update, saves and returns)."""
+        cfg = self.config
+        old_handler = _install_sigint(self)
+        start_time = time.perf_counter()
+        start_step = self.global_step
+        try:
+            while self.update_idx < cfg.num_updates and not self._stop_requested:
+                t_update = time.perf_counter()
+                frac = 1.0 - self.update_idx / cfg.num_updates
+                lr = cfg.learning_rate * frac if cfg.anneal_lr else cfg.learning_rate
+                clip_coef = cfg.clip_coef * frac if cfg.anneal_clip else cfg.clip_coef
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+
+                # 1. Collect rollout with pi_old (logp_old frozen into the buffer)
+                episodes, nonfinite_env = self.collect_rollout()
+
+                # 2. Advantages (GAE), bootstrapping time-limit truncations
+                t0 = time.perf_counter()
+                batch, advantages, returns = self.compute_advantages()
+                self.perf["advantages"] += time.perf_counter() - t0
+
+                # 3. K epochs of minibatch updates
+                t0 = time.perf_counter()
+                stats = ppo_update(self.policy, self.optimizer, batch, self.update_settings(clip_coef))
+                if cfg.algo == "ppo-kl":
+                    self.kl_beta = adapt_kl_beta(self.kl_beta, self.batch_kl(batch), cfg.kl_target)
+                self.perf["update"] += time.perf_counter() - t0
+                self.update_idx += 1
+
+                # 4. Log
+                t0 = time.perf_counter()
+                metrics = self._metrics(stats, episodes, nonfinite_env, batch, advantages, lr, clip_coef,
+                                        start_step, start_time)
+                self.metrics.append(metrics)
+                self.logger.log(self.global_step, metrics)
+                for alert in self.monitor.check(self.update_idx, metrics):
+                    self.logger.alert(self.global_step, alert.level, alert.name, alert.message, alert.data)
+
+                # 5. Checkpoint
+                if self.update_idx % cfg.save_every == 0 or self.update_idx == cfg.num_updates:
+                    self.save()
+                self.perf["logging"] += time.perf_counter() - t0
+                del t_update
+            if self._stop_requested:
+                self.save()
+        finally:
+            signal.signal(signal.SIGINT, old_handler) if old_handler is not None else None
+        wall = time.perf_counter() - start_time
+        self._finish(wall, start_step)
+        return Run(self.run_dir, cfg, self.metrics, self.policy, self.global_step,
+                   list(self.logger.alerts), self._stop_requested)
+
+    # ================================================================== 1. rollout
+    def _normalize_obs(self, obs: torch.Tensor, update: bool) -> torch.Tensor:
+        if self.obs_norm is None:
+            return obs
+        if update:
+            self.obs_norm.update(obs)
+        return self.obs_norm.normalize(obs)
+
+    def collect_rollout(self) -> tuple[list[tuple[float, int]], int]:
+        """Fill the buffer with ``num_steps`` steps of every env; returns (finished episodes, non-finite steps)."""
+        cfg, buf, dev = self.config, self.buffer, self.device
+        episodes: list[tuple[float, int]] = []
+        nonfinite = 0
+        obs = self._normalize_obs(torch.as_tensor(self.next_obs_raw, device=dev), update=False)
+        buf.has_final.zero_()
+        for t in range(cfg.num_steps):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                actions, logp, values = self.policy.act(obs)
+            buf.obs[t] = obs
+            buf.actions[t] = actions
+            buf.logp[t] = logp
+            buf.values[t] = values
+            env_actions = actions.cpu().numpy()
+            if self.action_kind == "continuous":
+                # The log-prob is of the unclipped sample; only the env sees the clipped action.
+                env_actions = np.clip(env_actions, self.action_low, self.action_high)
+            t1 = time.perf_counter()
+            next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
+            t2 = time.perf_counter()
+            self.global_step += cfg.num_envs
+
+            next_obs = np.asarray(next_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
+            reward = np.asarray(reward, dtype=np.float64)
+            terminated = np.asarray(terminated, dtype=bool)
+            truncated = np.asarray(truncated, dtype=bool)
+            # NEXT_STEP autoreset: a step right after an episode end only resets that env; it is no transition.
+            valid = ~self.prev_done if not self.same_step else np.ones(cfg.num_envs, dtype=bool)
+            bad = ~np.isfinite(next_obs).all(1) | ~np.isfinite(reward)
+            if bad.any():
+                # NaN/Inf from the env is detected and never trained on.
+                nonfinite += int(bad.sum())
+                next_obs = np.where(np.isfinite(next_obs), next_obs, 0.0).astype(np.float32)
+                reward = np.where(np.isfinite(reward), reward, 0.0)
+                valid = valid & ~bad
+            done = terminated | truncated
+
+            # Episode statistics on raw rewards.
+            self.ep_return += np.where(valid, reward, 0.0)
+            self.ep_length += valid
+            for i in np.flatnonzero(done & valid):
+                episodes.append((float(self.ep_return[i]), int(self.ep_length[i])))
+            self.ep_return[done] = 0.0
+            self.ep_length[done] = 0
+            self.prev_done = done
+
+            reward_t = torch.as_tensor(reward, dtype=torch.float32, device=dev)
+            done_t = torch.as_tensor(done, device=dev)
+            if self.reward_scaler is not None:
+                reward_t = self.reward_scaler.scale(reward_t, done_t)
+            buf.rewards[t] = reward_t
+            buf.terminated[t] = torch.as_tensor(terminated, device=dev)
+            buf.truncated[t] = torch.as_tensor(truncated, device=dev)
+            buf.valid[t] = torch.as_tensor(valid, device=dev)
+
+            next_obs_t = torch.as_tensor(next_obs, device=dev)
+            if self.obs_norm is not None:
+                self.obs_norm.update(next_obs_t[torch.as_tensor(~bad, device=dev)])
+            obs = self._normalize_obs(next_obs_t, update=False)
+            if self.same_step and truncated.any():
+                # SAME_STEP autoreset: next_obs is already the new episode's; bootstrap from the true final obs.
+                idx = np.flatnonzero(truncated)
+                final = np.stack([np.asarray(info["final_obs"][i], dtype=np.float32).reshape(-1) for i in idx])
+                final = np.where(np.isfinite(final), final, 0.0).astype(np.float32)
+                final_t = self._normalize_obs(torch.as_tensor(final, device=dev), update=False)
+                with torch.inference_mode():
+                    fv = self.policy.value(final_t)
+                idx_t = torch.as_tensor(idx, device=dev)
+                buf.final_values[t, idx_t] = fv
+                buf.has_final[t, idx_t] = True
+            self.next_obs_raw = next_obs
+            self.perf["inference"] += t1 - t0
+            self.perf["env"] += t2 - t1
+        self._last_obs = obs
+        return episodes, nonfinite
+
+    # ================================================================== 2. advantages
+    def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+        """GAE over the rollout, flattened to the batch of valid steps."""
+        cfg, buf = self.config, self.buffer
+        with torch.inference_mode():
+            last_values = self.policy.value(self._last_obs)
+        next_values = buf.next_values(last_values)
+        advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,
+                                  cfg.gamma, cfg.gae_lambda)
+        B = cfg.batch_size
+        flat = dict(obs=buf.obs.reshape(B, self.obs_dim), actions=buf.actions.reshape(B, *buf.actions.shape[2:]),
+                    logp_old=buf.logp.reshape(B), values_old=buf.values.reshape(B),
+                    advantages=advantages.reshape(B), returns=returns.reshape(B))
+        valid = buf.valid.reshape(B)
+        if not bool(valid.all()):
+            keep = valid.nonzero().squeeze(-1)
+            flat = {k: v[keep] for k, v in flat.items()}
+        return Batch(**flat), advantages, returns
+
+    def update_settings(self, clip_coef: float) -> UpdateSettings:
+        """This update's settings; a2c is one gradient step on the whole batch."""
+        cfg = self.config
+        a2c = cfg.algo == "a2c"
+        return UpdateSettings(algo=cfg.algo, update_epochs=1 if a2c else cfg.update_epochs,
+                              num_minibatches=1 if a2c else cfg.num_minibatches, clip_coef=clip_coef,
+                              clip_vloss=cfg.clip_vloss, norm_adv=cfg.norm_adv, ent_coef=cfg.ent_coef,
+                              vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
+                              target_kl=None if a2c else cfg.target_kl, kl_beta=self.kl_beta)
+
+    def batch_kl(self, batch: Batch) -> float:
+        """k3 approx KL(pi_old || pi_theta) on the whole batch after the update."""
+        from .objectives import approx_kl_k3
+
+        with torch.inference_mode():
+            logp_new, _, _ = self.policy.evaluate(batch.obs, batch.actions)
+            return float(approx_kl_k3(logp_new, batch.logp_old))
+
+    # ================================================================== 4. metrics
+    def _metrics(self, stats: dict[str, float], episodes: list[tuple[float, int]], nonfinite_env: int,
+                 batch: Batch, advantages: torch.Tensor, lr: float, clip_coef: float, start_step: int,
+                 start_time: float) -> dict[str, float]:
+        nan = float("nan")
+        elapsed = max(time.perf_counter() - start_time, 1e-9)
+        ev = float(explained_variance(batch.values_old, batch.returns)) if len(batch) > 1 else nan
+        rewards = self.buffer.rewards[self.buffer.valid]
+        m = {
+            "update": float(self.update_idx),
+            "charts/episodic_return": float(np.mean([e[0] for e in episodes])) if episodes else nan,
+            "charts/episodic_length": float(np.mean([e[1] for e in episodes])) if episodes else nan,
+            "charts/episodes": float(len(episodes)),
+            "charts/learning_rate": lr,
+            "charts/clip_coef": clip_coef,
+            "charts/kl_beta": self.kl_beta,
+            "losses/policy_loss": stats["policy_loss"],
+            "losses/value_loss": stats["value_loss"],
+            "losses/entropy_loss": -stats["entropy"],
+            "diag/entropy": stats["entropy"],
+            "diag/approx_kl": stats["approx_kl"],
+            "diag/approx_kl_k1": stats["approx_kl_k1"],
+            "diag/clipfrac": stats["clipfrac"],
+            "diag/explained_variance": ev,
+            "diag/grad_norm": stats["grad_norm"],
+            "diag/epochs_run": stats["epochs_run"],
+            "diag/early_stopped": stats["early_stopped"],
+            "diag/minibatches": stats["minibatches"],
+            "diag/skipped_minibatches": stats["skipped_minibatches"],
+            "diag/nonfinite_env": float(nonfinite_env),
+            "diag/advantages_nonfinite": float((~torch.isfinite(advantages)).sum()),
+            "diag/reward_std": float(rewards.std()) if rewards.numel() > 1 else nan,
+            "diag/advantage_std": float(batch.advantages.std()) if len(batch) > 1 else nan,
+            "perf/sps": (self.global_step - start_step) / elapsed,
+        }
+        total = sum(self.perf.values()) or 1.0
+        for phase in PERF_PHASES:
+            m[f"perf/time_{phase}"] = self.perf[phase]
+            m[f"perf/frac_{phase}"] = self.perf[phase] / total
+        return m
+
+    def _finish(self, wall: float, start_step: int) -> None:
+        last = self.metrics[-10:]
+        returns = [m["charts/episodic_return"] for m in last if not math.isnan(m["charts/episodic_return"])]
+        lines = {
+            "run dir": str(self.run_dir),
+            "env steps": f"{self.global_step:,}",
+            "final return (last 10 updates)": f"{np.mean(returns):.2f}" if returns else "no episode finished",
+            "wall time": f"{wall:.1f} s",
+            "SPS": f"{(self.global_step - start_step) / max(wall, 1e-9):,.0f}",
+            "time split": ", ".join(f"{p} {self.perf[p]:.1f}s" for p in PERF_PHASES),
+            "alerts": ", ".join(sorted({a["name"] for a in self.logger.alerts})) or "none",
+        }
+        if self.config.unsafe:
+            lines["UNSAFE"] = "this run broke the trust-region guard rails (--unsafe)"
+        if self._stop_requested:
+            lines["stopped"] = f"interrupted; resume with: ppokit train --resume {self.run_dir}"
+        try:
+            if self.metrics:
+                from .plots import plot_curves
+
+                plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png", alerts=self.logger.alerts)
+        finally:
+            self.logger.summary(lines)
+            self.logger.close()
+            self.envs.close()
+
+    # ================================================================== checkpoints
+    def state(self) -> dict[str, Any]:
+        """The full train state in checkpoint-safe types."""
+        from .envs.state import capture_env_state
+
+        return {
+            "config": self.config.to_dict(),
+            "policy_spec": self.policy.spec(),
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "obs_norm": self.obs_norm.state_dict() if self.obs_norm is not None else None,
+            "reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler is not None else None,
+            "rng": ckpt.rng_state(),
+            "global_step": self.global_step,
+            "update": self.update_idx,
+            "kl_beta": self.kl_beta,
+            "perf": dict(self.perf),
+            "loop": {
+                "next_obs_raw": torch.from_numpy(self.next_obs_raw.copy()),
+                "ep_return": torch.from_numpy(self.ep_return.copy()),
+                "ep_length": torch.from_numpy(self.ep_length.copy()),
+                "prev_done": torch.from_numpy(self.prev_done.copy()),
+            },
+            "env_state": capture_env_state(self.envs),
+        }
+
+    def save(self) -> Path:
+        """Write the checkpoint atomically into the run dir."""
+        path = self.run_dir / CHECKPOINT_NAME
+        ckpt.save_checkpoint(path, self.state())
+        return path
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        from .envs.state import restore_env_state
+
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.obs_norm is not None and state.get("obs_norm") is not None:
+            self.obs_norm.load_state_dict(state["obs_norm"])
+        if self.reward_scaler is not None and state.get("reward_scaler") is not None:
+            self.reward_scaler.load_state_dict(state["reward_scaler"])
+        self.global_step = int(state["global_step"])
+        self.update_idx = int(state["update"])
+        self.kl_beta = float(state["kl_beta"])
+        self.perf.update(state.get("perf", {}))
+        loop = state["loop"]
+        if restore_env_state(self.envs, state.get("env_state")):
+            self.next_obs_raw = loop["next_obs_raw"].numpy().copy()
+            self.ep_return = loop["ep_return"].numpy().copy()
+            self.ep_length = loop["ep_length"].numpy().copy()
+            self.prev_done = loop["prev_done"].numpy().copy()
+        ckpt.set_rng_state(state["rng"])
+
+
+def adapt_kl_beta(beta: float, kl: float, target: float) -> float:
+    """PPO-KL's adaptive penalty (Schulman et al. 2017, sec. 4): x2 if KL > 2*target, /2 if KL < target/2."""
+    if kl > 2.0 * target:
+        return beta * 2.0
+    if kl < target / 2.0:
+        return beta / 2.0
+    return beta
+
+
+def _adam_kwargs(device: torch.device) -> dict:
+    # fused Adam runs the whole step as one kernel per dtype/device; it exists for CPU in torch >= 2.4.
+    try:
+        torch.optim.Adam([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+        return {"fused": True}
+    except (RuntimeError, TypeError, ValueError):
+        return {"foreach": True}
+
+
+def _install_sigint(trainer: Trainer):
+    """First Ctrl-C: finish the current update, save, exit cleanly. Second Ctrl-C: default behaviour."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        if trainer._stop_requested:
+            raise KeyboardInterrupt
+        trainer._stop_requested = True
+        try:
+            trainer.logger.alert(trainer.global_step, "warn", "interrupted",
+                                 "Ctrl-C: finishing this update, saving a checkpoint and exiting "
+                                 "(press again to abort without saving)")
+        except Exception:
+            pass
+
+    return signal.signal(signal.SIGINT, handler)
+
+
+def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
+          console_enabled: bool = True) -> Run:
+    """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy."""
+    return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled).run()
+
+
+def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
+           console_enabled: bool = True) -> Run:
+    """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``)."""
+    run_dir = Path(run_dir)
+    state = ckpt.load_checkpoint(run_dir / CHECKPOINT_NAME)
+    config = PPOConfig.from_dict(state["config"])
+    if total_timesteps is not None:
+        config.total_timesteps = total_timesteps
+    trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state)
+    return trainer.run()
