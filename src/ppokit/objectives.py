@@ -167,9 +167,12 @@ def explained_variance(predicted: Tensor, target: Tensor) -> Tensor:
     """``1 - Var(target - predicted) / Var(target)``: 1 is a perfect critic, 0 no better than the mean.
 
     Returns NaN when ``Var(target) == 0`` (the ratio is undefined; a constant target says nothing of the critic).
+    A constant target is detected by comparing elements, not by ``var == 0``: the rounded mean of e.g. seven
+    float32 copies of 0.1 is off by one ulp, so the computed variance is ~1e-17, not 0, and the ratio is garbage.
     """
     _same_shape(predicted, target)
     var_target = target.var(unbiased=False)
     var_resid = (target - predicted).var(unbiased=False)
+    constant = (target == target.reshape(-1)[:1]).all() | (var_target == 0)
     nan = torch.full_like(var_target, float("nan"))
-    return torch.where(var_target == 0, nan, 1.0 - var_resid / var_target)
+    return torch.where(constant, nan, 1.0 - var_resid / var_target)

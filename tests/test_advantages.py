@@ -1,0 +1,211 @@
+"""Reference tests for ``ppokit.advantages``.
+
+The references are written here as plain per-env Python loops in float64, in a form different from the
+implementation's recursion: the advantage is the explicit finite sum ``sum_l (gamma*lam)^l delta_{t+l}`` up to
+the end of the episode (or of the rollout), and the lambda = 1 case is a discounted Monte-Carlo return.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ppokit.advantages import gae, normalize
+
+F64 = torch.float64
+
+
+def _random_rollout(T: int, N: int, seed: int, p_term: float = 0.15, p_trunc: float = 0.1):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(T, N, generator=g, dtype=F64)
+    values = torch.randn(T, N, generator=g, dtype=F64)
+    next_values = torch.randn(T, N, generator=g, dtype=F64)
+    terminated = torch.rand(T, N, generator=g) < p_term
+    truncated = torch.rand(T, N, generator=g) < p_trunc  # may coincide with terminated: termination wins
+    return rewards, values, next_values, terminated, truncated
+
+
+def _consistent_rollout(T: int, N: int, seed: int):
+    """A random rollout as a real collector stores it: within an episode ``next_values[t] == values[t + 1]``;
+    after a done step ``next_values[t]`` is V of that episode's final observation, unrelated to ``values[t + 1]``
+    (the reset observation)."""
+    rewards, values, next_values, terminated, truncated = _random_rollout(T, N, seed)
+    done = terminated | truncated
+    next_values[:-1] = torch.where(done[:-1], next_values[:-1], values[1:])
+    return rewards, values, next_values, terminated, truncated
+
+
+def _episode_end(term: list[bool], trunc: list[bool], t: int) -> int:
+    """First step >= t at which the episode ends (terminated or truncated), else the last step of the rollout."""
+    for k in range(t, len(term)):
+        if term[k] or trunc[k]:
+            return k
+    return len(term) - 1
+
+
+def _reference_gae(rewards, values, next_values, terminated, truncated, gamma, lam):
+    """Explicit-sum GAE: A_t = sum_{k=t}^{end} (gamma*lam)^(k-t) * delta_k, delta_k bootstraps unless terminated."""
+    T, N = rewards.shape
+    adv = [[0.0] * N for _ in range(T)]
+    for n in range(N):
+        r = rewards[:, n].tolist()
+        v = values[:, n].tolist()
+        nv = next_values[:, n].tolist()
+        term = terminated[:, n].tolist()
+        trunc = truncated[:, n].tolist()
+        deltas = [r[k] + (0.0 if term[k] else gamma * nv[k]) - v[k] for k in range(T)]
+        for t in range(T):
+            end = _episode_end(term, trunc, t)
+            adv[t][n] = sum((gamma * lam) ** (k - t) * deltas[k] for k in range(t, end + 1))
+    return torch.tensor(adv, dtype=F64)
+
+
+def _reference_monte_carlo(rewards, values, next_values, terminated, truncated, gamma):
+    """lambda = 1: discounted reward sum to the episode end, plus gamma^len * V(next) unless it terminated, minus V."""
+    T, N = rewards.shape
+    adv = [[0.0] * N for _ in range(T)]
+    for n in range(N):
+        term = terminated[:, n].tolist()
+        trunc = truncated[:, n].tolist()
+        for t in range(T):
+            end = _episode_end(term, trunc, t)
+            ret = sum(gamma ** (k - t) * rewards[k, n].item() for k in range(t, end + 1))
+            if not term[end]:  # truncated, or the rollout ran out mid-episode: bootstrap
+                ret += gamma ** (end - t + 1) * next_values[end, n].item()
+            adv[t][n] = ret - values[t, n].item()
+    return torch.tensor(adv, dtype=F64)
+
+
+SHAPES = [(T, N) for T in (1, 5, 64) for N in (1, 3, 8)]
+
+
+@pytest.mark.parametrize(("T", "N"), SHAPES)
+@pytest.mark.parametrize(("gamma", "lam"), [(0.99, 0.95), (0.9, 0.5), (1.0, 1.0), (0.5, 0.0)])
+def test_gae_matches_explicit_sum_reference(T, N, gamma, lam):
+    rollout = _random_rollout(T, N, seed=100 * T + N)
+    adv, ret = gae(*rollout, gamma=gamma, gae_lambda=lam)
+    expected = _reference_gae(*rollout, gamma, lam)
+    assert adv.shape == (T, N) and ret.shape == (T, N)
+    torch.testing.assert_close(adv, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ret, expected + rollout[1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(("T", "N"), [(5, 3), (64, 8)])
+def test_gae_float32_close_to_float64_reference(T, N):
+    rollout = _random_rollout(T, N, seed=7)
+    r, v, nv, term, trunc = rollout
+    adv, _ = gae(r.float(), v.float(), nv.float(), term, trunc, gamma=0.99, gae_lambda=0.95)
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv.double(), _reference_gae(*rollout, 0.99, 0.95), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("T", "N"), SHAPES)
+def test_lambda_zero_gamma_one_is_td0(T, N):
+    r, v, nv, term, trunc = _random_rollout(T, N, seed=T * 7 + N)
+    adv, _ = gae(r, v, nv, term, trunc, gamma=1.0, gae_lambda=0.0)
+    for t in range(T):
+        for n in range(N):
+            expected = r[t, n].item() + (0.0 if term[t, n] else nv[t, n].item()) - v[t, n].item()
+            assert adv[t, n].item() == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize(("T", "N"), SHAPES)
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_lambda_one_is_monte_carlo_with_bootstrap_at_truncation(T, N, gamma):
+    # With lambda = 1 the sum of deltas telescopes to the Monte-Carlo return only when the stored next values
+    # chain with the values, so the rollout is built the way a collector stores it.
+    rollout = _consistent_rollout(T, N, seed=T * 11 + N)
+    adv, _ = gae(*rollout, gamma=gamma, gae_lambda=1.0)
+    torch.testing.assert_close(adv, _reference_monte_carlo(*rollout, gamma), rtol=1e-10, atol=1e-10)
+
+
+def test_hand_computed_two_step_episode():
+    # One env, T = 3, gamma = 0.9, lam = 0.8; step 1 terminates, step 2 starts a new episode (rollout end).
+    # deltas: d0 = 1 + 0.9*2 - 1 = 1.8; d1 = 2 + 0 - 0.5 = 1.5 (terminated); d2 = 0 + 0.9*4 - 3 = 0.6
+    # A2 = 0.6; A1 = d1 = 1.5 (no bootstrap, no recursion into step 2); A0 = 1.8 + 0.72 * 1.5 = 2.88
+    r = torch.tensor([[1.0], [2.0], [0.0]], dtype=F64)
+    v = torch.tensor([[1.0], [0.5], [3.0]], dtype=F64)
+    nv = torch.tensor([[2.0], [9.0], [4.0]], dtype=F64)
+    term = torch.tensor([[False], [True], [False]])
+    trunc = torch.zeros(3, 1, dtype=torch.bool)
+    adv, ret = gae(r, v, nv, term, trunc, gamma=0.9, gae_lambda=0.8)
+    torch.testing.assert_close(adv, torch.tensor([[2.88], [1.5], [0.6]], dtype=F64))
+    torch.testing.assert_close(ret, torch.tensor([[3.88], [2.0], [3.6]], dtype=F64))
+
+
+def test_truncation_bootstraps_and_termination_does_not():
+    # Same step, r = 1, V = 0.5, V(next) = 2, gamma = 0.9:
+    # truncated: 1 + 0.9*2 - 0.5 = 2.3; terminated: 1 - 0.5 = 0.5; both flags: termination wins -> 0.5
+    r = torch.ones(1, 3, dtype=F64)
+    v = torch.full((1, 3), 0.5, dtype=F64)
+    nv = torch.full((1, 3), 2.0, dtype=F64)
+    term = torch.tensor([[False, True, True]])
+    trunc = torch.tensor([[True, False, True]])
+    adv, _ = gae(r, v, nv, term, trunc, gamma=0.9, gae_lambda=0.95)
+    torch.testing.assert_close(adv, torch.tensor([[2.3, 0.5, 0.5]], dtype=F64))
+
+
+@pytest.mark.parametrize("flag", ["terminated", "truncated"])
+def test_recursion_never_crosses_an_episode_boundary(flag):
+    T, N, boundary = 6, 2, 2
+    r, v, nv, _, _ = _random_rollout(T, N, seed=3)
+    term = torch.zeros(T, N, dtype=torch.bool)
+    trunc = torch.zeros(T, N, dtype=torch.bool)
+    (term if flag == "terminated" else trunc)[boundary] = True
+    adv, _ = gae(r, v, nv, term, trunc, gamma=0.99, gae_lambda=0.95)
+    # Perturb everything after the boundary: the advantages up to and including it must not move.
+    g = torch.Generator().manual_seed(4)
+    r2, v2, nv2 = r.clone(), v.clone(), nv.clone()
+    for x in (r2, v2, nv2):
+        x[boundary + 1 :] += torch.randn(T - boundary - 1, N, generator=g, dtype=F64) * 10
+    adv2, _ = gae(r2, v2, nv2, term, trunc, gamma=0.99, gae_lambda=0.95)
+    torch.testing.assert_close(adv2[: boundary + 1], adv[: boundary + 1], rtol=0, atol=0)
+    assert not torch.allclose(adv2[boundary + 1 :], adv[boundary + 1 :])
+    # ...while without the boundary, step 0 does depend on later steps.
+    none = torch.zeros(T, N, dtype=torch.bool)
+    a, _ = gae(r, v, nv, none, none, gamma=0.99, gae_lambda=0.95)
+    b, _ = gae(r2, v2, nv2, none, none, gamma=0.99, gae_lambda=0.95)
+    assert not torch.allclose(a[0], b[0])
+
+
+def test_envs_are_independent():
+    # Column n of a [T, N] call equals a [T, 1] call on that column alone.
+    rollout = _random_rollout(16, 4, seed=21)
+    adv, _ = gae(*rollout, gamma=0.97, gae_lambda=0.9)
+    for n in range(4):
+        single = [x[:, n : n + 1] for x in rollout]
+        adv_n, _ = gae(*single, gamma=0.97, gae_lambda=0.9)
+        torch.testing.assert_close(adv[:, n : n + 1], adv_n, rtol=0, atol=0)
+
+
+def test_gae_rejects_bad_shapes():
+    r, v, nv, term, trunc = _random_rollout(4, 2, seed=0)
+    with pytest.raises(ValueError, match="values"):
+        gae(r, v[:, :1], nv, term, trunc, gamma=0.99, gae_lambda=0.95)
+    with pytest.raises(ValueError):
+        gae(r.reshape(-1), v.reshape(-1), nv.reshape(-1), term.reshape(-1), trunc.reshape(-1), 0.99, 0.95)
+    with pytest.raises(ValueError):
+        gae(r, v, nv, term.unsqueeze(-1), trunc, gamma=0.99, gae_lambda=0.95)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (64, 8), (3, 5, 7)])
+def test_normalize_mean_zero_std_one(shape):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(*shape, generator=g, dtype=F64) * 7.0 + 3.0
+    y = normalize(x)
+    assert y.shape == x.shape
+    values = y.reshape(-1).tolist()
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((u - mean) ** 2 for u in values) / len(values))
+    assert mean == pytest.approx(0.0, abs=1e-9)
+    assert std == pytest.approx(1.0, abs=1e-6)
+    # an affine map of the input: order is preserved
+    assert torch.equal(torch.argsort(y.reshape(-1)), torch.argsort(x.reshape(-1)))
+
+
+def test_normalize_constant_input_is_finite_zero():
+    y = normalize(torch.full((5,), 2.5))
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, torch.zeros(5))
