@@ -491,3 +491,14 @@ def test_bare_train_uses_the_cartpole_preset():
     assert config_from_args(args) == load_preset("cartpole")
     args = build_parser().parse_args(["train", "--env", "Acrobot-v1"])
     assert config_from_args(args).env_id == "Acrobot-v1"
+
+
+def test_cli_eval_records_videos(tmp_path, capsys):
+    from ppokit.cli import main
+
+    run = train(small_gridworld(tmp_path, total_timesteps=512), console_enabled=False)
+    video_dir = tmp_path / "videos"
+    assert main(["eval", str(run.run_dir), "--episodes", "2", "--video", str(video_dir)]) == 0
+    videos = sorted(video_dir.glob("*.mp4"))
+    assert len(videos) == 2 and all(v.stat().st_size > 500 for v in videos)
+    assert "mean return" in capsys.readouterr().out

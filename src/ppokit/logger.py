@@ -251,7 +251,8 @@ class ConsoleSink:
         parts = []
         ret = _first(self._latest, _RETURN_KEYS)
         if ret is not None:
-            parts.append(f"return [bold]{ret:.1f}[/]" if markup else f"return {ret:.1f}")
+            shown = f"{ret:.1f}" if abs(ret) >= 100 else f"{ret:.3g}"
+            parts.append(f"return [bold]{shown}[/]" if markup else f"return {shown}")
         elif markup:
             parts.append("return –")
         sps = _first(self._latest, _SPS_KEYS)
@@ -416,6 +417,8 @@ class MetricsLogger:
 
     def summary(self, lines: dict[str, str], title: str = "run summary") -> None:
         """Print an end-of-run panel of ``lines``; adds wall time and alerts when the caller did not."""
+        # The panel goes below a finished bar, never under a live one that would redraw over it.
+        self.console.close()
         rows = dict(lines)
         rows.setdefault("wall time", f"{time.time() - self.start_time:,.1f} s")
         rows.setdefault("alerts", self.alerts_overview())

@@ -121,7 +121,7 @@ class Trainer:
         self.ep_return = np.zeros(cfg.num_envs, dtype=np.float64)
         self.ep_length = np.zeros(cfg.num_envs, dtype=np.int64)
         self.prev_done = np.zeros(cfg.num_envs, dtype=bool)
-        self.monitor = Monitor()
+        self.monitor = Monitor(action_kind=self.action_kind, action_dim=self.policy.action_dims[0])
         self.perf = dict.fromkeys(PERF_PHASES, 0.0)
         self._stop_requested = False
 
@@ -138,7 +138,8 @@ class Trainer:
         self.next_obs_raw = np.asarray(raw_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
         if resume_state is not None:
             self._load_state(resume_state)
-        self.logger = MetricsLogger(self.run_dir, cfg.total_timesteps, log_every=cfg.log_every,
+        # The bar's end is the last update's step, which total_timesteps need not be a multiple of.
+        self.logger = MetricsLogger(self.run_dir, cfg.num_updates * cfg.batch_size, log_every=cfg.log_every,
                                     tensorboard=cfg.tensorboard, console=console_enabled, console_obj=console)
         self.metrics: list[dict[str, float]] = []
         if cfg.unsafe:
@@ -374,7 +375,7 @@ class Trainer:
             "wall time": f"{wall:.1f} s",
             "SPS": f"{(self.global_step - start_step) / max(wall, 1e-9):,.0f}",
             "time split": ", ".join(f"{p} {self.perf[p]:.1f}s" for p in PERF_PHASES),
-            "alerts": ", ".join(sorted({a["name"] for a in self.logger.alerts})) or "none",
+            "alerts": self.logger.alerts_overview(),
         }
         if self.config.unsafe:
             lines["UNSAFE"] = "this run broke the trust-region guard rails (--unsafe)"
@@ -384,7 +385,8 @@ class Trainer:
             if self.metrics:
                 from .plots import plot_curves
 
-                plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png", alerts=self.logger.alerts)
+                plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png", alerts=self.logger.alerts,
+                            title=("UNSAFE run: " if self.config.unsafe else "") + self.config.env_id)
         finally:
             self.logger.summary(lines)
             self.logger.close()

@@ -35,6 +35,13 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2
+    except Exception as exc:
+        import gymnasium as gym
+
+        if isinstance(exc, gym.error.DependencyNotInstalled):
+            console.print(f"[bold red]error:[/] recording video needs moviepy: pip install 'ppokit[video]' ({exc})")
+            return 2
+        raise
     env_id = args.env or agent.config.env_id
     console.print(f"{env_id}: mean return {result['mean']:.2f} +- {result['std']:.2f} over {args.episodes} episodes "
                   f"({'deterministic' if args.deterministic else 'stochastic'})")

@@ -62,7 +62,7 @@ def _ansi(pos: int, size: int) -> str:
 class GridWorldEnv(gym.Env):
     """Deterministic ``size x size`` grid; obs one-hot float32 [size*size], 4 actions, goal step pays +1.0."""
 
-    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 4}
 
     def __init__(self, size: int = DEFAULT_SIZE, render_mode: str | None = None):
         self.size = _check_size(size)
@@ -115,10 +115,30 @@ class GridWorldEnv(gym.Env):
         return self._obs(), reward, terminated, False, {}
 
     def render(self):
-        """Text picture of the grid (A agent, G goal) when render_mode='ansi'."""
-        if self.render_mode == "ansi" and self._pos is not None:
+        """Text picture (render_mode='ansi', A agent, G goal) or an RGB frame (render_mode='rgb_array')."""
+        if self._pos is None:
+            return None
+        if self.render_mode == "ansi":
             return _ansi(self._pos, self.size)
+        if self.render_mode == "rgb_array":
+            return _rgb(self._pos, self.size)
         return None
+
+
+def _rgb(pos: int, size: int, cell: int = 32) -> np.ndarray:
+    """``[size*cell, size*cell, 3]`` uint8 frame: grey grid, green goal, blue agent (video recording needs sizes
+    divisible by 16, which 32-pixel cells give)."""
+    frame = np.full((size * cell, size * cell, 3), 235, dtype=np.uint8)
+    frame[::cell, :] = 160
+    frame[:, ::cell] = 160
+
+    def fill(index: int, color: tuple[int, int, int], margin: int) -> None:
+        r, c = divmod(index, size)
+        frame[r * cell + margin:(r + 1) * cell - margin, c * cell + margin:(c + 1) * cell - margin] = color
+
+    fill(size * size - 1, (60, 170, 80), 2)
+    fill(pos, (40, 90, 200), 7)
+    return frame
 
 
 class GridWorldVectorEnv(gym.vector.VectorEnv):
