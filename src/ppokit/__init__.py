@@ -28,3 +28,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ppokit' has no attribute {name!r}")
+
+
+# Registering ppokit/GridWorld-v0 on import lets `gym.make("ppokit/GridWorld-v0")` work after `import ppokit`.
+from ppokit import envs as _envs  # noqa: E402,F401
