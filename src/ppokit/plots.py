@@ -145,13 +145,14 @@ def plot_curves(
     metrics_csv_path: str | os.PathLike,
     out_png: str | os.PathLike,
     alerts: Iterable[Any] | None = None,
+    title: str | None = None,
 ) -> str:
     """A 2x2 diagnostics figure from a training run's ``metrics.csv``; returns the PNG path.
 
     Panels, each against ``global_step`` (environment steps): episodic return, approx KL (lines at 0.02 and
     0.1), clip fraction (healthy band 0.1-0.3 shaded) and explained variance. Empty or NaN cells are skipped,
     a missing column leaves its panel with a "no data" note. ``alerts`` (see ``_alert_marks``) are drawn as
-    vertical lines on every panel.
+    vertical lines on every panel. ``title`` (default: the run directory's name) heads the figure.
     """
     columns = read_metrics(metrics_csv_path)
     if "global_step" not in columns:
@@ -187,5 +188,6 @@ def plot_curves(
         ax.grid(alpha=0.25)
     for ax in axes[1]:
         ax.set_xlabel("environment steps")
-    fig.suptitle(os.path.basename(os.path.dirname(os.path.abspath(metrics_csv_path))) or "training run")
+    fig.suptitle(title if title is not None
+                 else os.path.basename(os.path.dirname(os.path.abspath(metrics_csv_path))) or "training run")
     return _save(fig, out_png)

@@ -1,0 +1,151 @@
+"""Live alert rules on constructed metric sequences: each rule fires when it should, stays quiet when it should
+not (CartPole's constant +1 reward, a converged run's annealed tail), and is rate-limited."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ppokit.monitor import THRESHOLDS, Monitor
+
+
+def healthy(i: int = 0, **over) -> dict:
+    """Metrics of an unremarkable update (CartPole-like: every reward +1, episode lengths varying)."""
+    m = {"charts/episodic_return": 20.0 + 3 * i, "charts/episodic_length": 20.0 + 3 * i,
+         "charts/learning_rate": 1e-3, "losses/policy_loss": -0.01, "losses/value_loss": 1.0,
+         "diag/entropy": 0.69 - 0.001 * i, "diag/approx_kl": 0.005, "diag/clipfrac": 0.15,
+         "diag/explained_variance": 0.5, "diag/grad_norm": 1.0, "diag/skipped_minibatches": 0.0,
+         "diag/nonfinite_env": 0.0, "diag/advantages_nonfinite": 0.0, "diag/reward_std": 0.0}
+    m.update(over)
+    return m
+
+
+def names(mon: Monitor, seq) -> list[list[str]]:
+    return [[a.name for a in mon.check(i + 1, m)] for i, m in enumerate(seq)]
+
+
+def fired(mon, seq) -> set[str]:
+    return {n for ns in names(mon, seq) for n in ns}
+
+
+def test_healthy_cartpole_sequence_is_silent():
+    # Constant +1 reward (reward_std 0) is fine: lengths and returns vary. This was the old false positive.
+    assert fired(Monitor(), [healthy(i) for i in range(60)]) == set()
+
+
+def test_rewards_all_zero():
+    seq = [healthy(i, **{"charts/episodic_return": 0.0, "charts/episodic_length": 10.0 + i}) for i in range(6)]
+    out = names(Monitor(), seq)
+    assert "rewards_all_zero" not in sum(out[:4], [])  # needs reward_patience (5) updates
+    assert "rewards_all_zero" in out[4]
+
+
+def test_zero_reward_variance_needs_constant_returns_too():
+    const = [healthy(i, **{"charts/episodic_return": 5.0, "charts/episodic_length": 5.0}) for i in range(6)]
+    assert "zero_reward_variance" in fired(Monitor(), const)
+    # Same constant reward but episodes of varying length: there is signal.
+    varying = [healthy(i, **{"charts/episodic_return": 5.0 + i % 2, "charts/episodic_length": 5.0 + i % 2})
+               for i in range(6)]
+    assert "zero_reward_variance" not in fired(Monitor(), varying)
+    # Constant, but the return moved there from the start (a solved CartPole at 500): no alert.
+    solved = [healthy(0)] + [healthy(i, **{"charts/episodic_return": 500.0, "charts/episodic_length": 500.0})
+                             for i in range(8)]
+    assert "zero_reward_variance" not in fired(Monitor(), solved)
+
+
+@pytest.mark.parametrize("kl,expected", [(0.015, set()), (0.05, {"kl_high"}), (0.5, {"kl_blowup"})])
+def test_kl_thresholds(kl, expected):
+    got = {a.name for a in Monitor().check(1, healthy(0, **{"diag/approx_kl": kl}))}
+    assert got == expected
+    if expected:
+        a = Monitor().check(1, healthy(0, **{"diag/approx_kl": kl}))[0]
+        assert a.level == ("alert" if kl > THRESHOLDS["kl_alert"] else "warn")
+        assert a.data["approx_kl"] == kl and a.data["update"] == 1
+
+
+def test_clip_never_fires_after_patience_only():
+    seq = [healthy(i, **{"diag/clipfrac": 0.0}) for i in range(6)]
+    out = names(Monitor(), seq)
+    assert all("clip_never_fires" not in o for o in out[:4]) and "clip_never_fires" in out[4]
+
+
+def test_clip_near_zero_in_annealed_tail_is_expected():
+    seq = [healthy(i, **{"charts/learning_rate": 1e-3 * (1 - i / 20)}) for i in range(10)]
+    seq += [healthy(i, **{"charts/learning_rate": 1e-3 * (1 - i / 20), "diag/clipfrac": 0.0}) for i in range(19, 20)] * 6
+    assert "clip_never_fires" not in fired(Monitor(), seq)
+
+
+def test_clip_never_fires_with_zero_lr_is_an_alert():
+    a = [a for ns in [Monitor().check(i, healthy(i, **{"diag/clipfrac": 0.0, "charts/learning_rate": 0.0}))
+                      for i in range(1, 2)] for a in ns]
+    assert a == []  # not yet: patience
+    mon = Monitor()
+    alerts = [a for i in range(1, 7) for a in mon.check(i, healthy(i, **{"diag/clipfrac": 0.0,
+                                                                           "charts/learning_rate": 0.0}))]
+    assert [(a.name, a.level) for a in alerts] == [("clip_never_fires", "alert")]
+    assert "learning rate is 0" in alerts[0].message
+
+
+def test_clipfrac_high_needs_to_be_sustained():
+    spiky = [healthy(i, **{"diag/clipfrac": 0.5 if i % 2 else 0.2}) for i in range(12)]
+    assert "clipfrac_high" not in fired(Monitor(), spiky)
+    sustained = [healthy(i, **{"diag/clipfrac": 0.45}) for i in range(5)]
+    assert names(Monitor(), sustained)[-1] == ["clipfrac_high"]
+
+
+def test_critic_not_learning():
+    flat = [healthy(i, **{"diag/explained_variance": -0.1}) for i in range(20)]
+    out = names(Monitor(), flat)
+    assert "critic_not_learning" in out[19] and all("critic_not_learning" not in o for o in out[:19])
+    # Once the critic has learned, a later drop (near-constant returns of a solved task) is not reported.
+    rose = [healthy(i, **{"diag/explained_variance": 0.9}) for i in range(5)] + flat
+    assert "critic_not_learning" not in fired(Monitor(), rose)
+
+
+def test_entropy_collapse_discrete():
+    seq = [healthy(0, **{"diag/entropy": 0.69}), healthy(1, **{"diag/entropy": 0.2}),
+           healthy(2, **{"diag/entropy": 0.03})]
+    out = names(Monitor(action_kind="discrete"), seq)
+    assert out[1] == [] and out[2] == ["entropy_collapse"]
+
+
+def test_entropy_collapse_continuous_is_relative_to_start():
+    # Gaussian entropy can be negative; a 2-dim policy collapses after a drop of > 2 * 2.5 = 5 nats.
+    mon = Monitor(action_kind="continuous", action_dim=2)
+    seq = [healthy(0, **{"diag/entropy": 2.8}), healthy(1, **{"diag/entropy": -1.0}),  # drop 3.8: fine
+           healthy(2, **{"diag/entropy": -2.5})]  # drop 5.3: collapse
+    assert names(mon, seq) == [[], [], ["entropy_collapse"]]
+    # Kind unknown: a negative entropy marks the policy continuous, so the fraction rule does not misfire.
+    mon = Monitor()
+    seq = [healthy(0, **{"diag/entropy": 1.4}), healthy(1, **{"diag/entropy": -0.5})]
+    assert names(mon, seq) == [[], []]
+
+
+@pytest.mark.parametrize("key,value,name", [
+    ("diag/skipped_minibatches", 2.0, "nonfinite_loss"),
+    ("losses/value_loss", math.inf, "nonfinite_loss"),
+    ("diag/approx_kl", math.nan, "nonfinite_loss"),
+    ("diag/nonfinite_env", 3.0, "nonfinite_env"),
+    ("diag/advantages_nonfinite", 5.0, "nonfinite_advantages"),
+])
+def test_nonfinite_rules(key, value, name):
+    alerts = Monitor().check(1, healthy(0, **{key: value}))
+    assert [a.name for a in alerts] == [name] and alerts[0].level == "alert"
+
+
+def test_rate_limit_per_rule():
+    mon = Monitor(cooldown=10)
+    hits = [i for i in range(1, 31) if any(a.name == "kl_blowup"
+                                           for a in mon.check(i, healthy(i, **{"diag/approx_kl": 1.0})))]
+    assert hits == [1, 11, 21]
+    # Rules are limited independently: a different rule still fires inside kl_blowup's cooldown.
+    mon = Monitor(cooldown=10)
+    mon.check(1, healthy(1, **{"diag/approx_kl": 1.0}))
+    assert [a.name for a in mon.check(2, healthy(2, **{"diag/nonfinite_env": 1.0, "diag/approx_kl": 1.0}))] \
+        == ["nonfinite_env"]
+
+
+def test_unknown_threshold_is_rejected():
+    with pytest.raises(ValueError, match="kl_wran"):
+        Monitor(thresholds={"kl_wran": 0.1})
