@@ -15,6 +15,11 @@ _COMMAND_MODULES = [
     "ppokit.commands.train",
     "ppokit.commands.evaluate",
     "ppokit.commands.objective",
+    "ppokit.commands.plan",
+    "ppokit.commands.doctor",
+    "ppokit.commands.report",
+    "ppokit.commands.sweep",
+    "ppokit.commands.compare",
 ]
 
 
