@@ -94,6 +94,11 @@ class PPOConfig:
     log_every: int = _f(10, "print a metrics table every this many updates")
     save_every: int = _f(50, "write a checkpoint every this many updates (and at the end)")
     tensorboard: bool = _f(True, "write TensorBoard event files")
+    # --- evaluation gate (optional early stop once solved) ---
+    eval_every: int = _f(0, "every this many updates, evaluate the deterministic policy on a separate env and stop "
+                            "once its mean return reaches eval_threshold (0: never evaluate)")
+    eval_threshold: float | None = _f(None, "mean deterministic evaluation return that ends the run (needs eval_every)")
+    eval_episodes: int = _f(16, "episodes per evaluation, run in parallel (one per env of a vectorized env)")
 
     # ---------------------------------------------------------------- derived sizes
     @property
@@ -137,6 +142,16 @@ class PPOConfig:
         need(self.max_grad_norm > 0, "max_grad_norm", f"must be > 0, got {self.max_grad_norm}")
         need(self.init_kl_beta > 0, "init_kl_beta", f"must be > 0, got {self.init_kl_beta}")
         need(self.kl_target > 0, "kl_target", f"must be > 0, got {self.kl_target}")
+        need(isinstance(self.eval_every, int) and not isinstance(self.eval_every, bool) and self.eval_every >= 0,
+             "eval_every", f"must be an integer >= 0 (0 turns the evaluation gate off), got {self.eval_every!r}")
+        need(isinstance(self.eval_episodes, int) and not isinstance(self.eval_episodes, bool)
+             and self.eval_episodes >= 1, "eval_episodes", f"must be a positive integer, got {self.eval_episodes!r}")
+        if self.eval_threshold is not None:
+            need(isinstance(self.eval_threshold, (int, float)) and not isinstance(self.eval_threshold, bool)
+                 and math.isfinite(self.eval_threshold), "eval_threshold",
+                 f"must be a finite number or none, got {self.eval_threshold!r}")
+        need(self.eval_every == 0 or self.eval_threshold is not None, "eval_threshold",
+             "must be set when eval_every > 0 (the return at which the evaluation gate stops training)")
         if self.target_kl is not None:
             need(isinstance(self.target_kl, (int, float)) and self.target_kl > 0, "target_kl",
                  f"must be > 0 or none, got {self.target_kl!r}")

