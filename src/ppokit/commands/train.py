@@ -50,7 +50,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train PPO on a Gymnasium environment",
                        description="Train PPO. Config precedence: defaults < --preset < --config FILE < flags. "
                                    "With no preset, file or --env, trains the cartpole preset.")
-    p.add_argument("--preset", default=None, help="a shipped preset: cartpole, acrobot, pendulum, gridworld")
+    from ppokit.config import list_presets
+
+    p.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(list_presets())}")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file of config fields")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
     p.add_argument("--quiet", action="store_true", help="no live console output (files are still written)")
