@@ -47,7 +47,8 @@ _MUJOCO_NAMES = ("HalfCheetah", "Hopper", "Walker2d", "Ant", "Humanoid", "Humano
 KNOWN: list[tuple[tuple[str, ...], str, dict[str, Any], str | None]] = [
     (("CartPole-v1",), "the cartpole preset = RL-Zoo's tuned PPO hyperparameters for CartPole-v1", {}, "cartpole"),
     (("Acrobot-v1",), "the acrobot preset = RL-Zoo's tuned PPO hyperparameters for Acrobot-v1", {}, "acrobot"),
-    (("Pendulum-v1",), "the pendulum preset = RL-Zoo's tuned PPO hyperparameters for Pendulum-v1", {}, "pendulum"),
+    (("Pendulum-v1",), "ppokit's pendulum preset (RL-Zoo's gamma 0.9, lr 1e-3, 10 epochs, no entropy bonus; 512-step rollouts "
+     "and reward scaling in place of RL-Zoo's gSDE exploration)", {}, "pendulum"),
     (("LunarLander-v3", "LunarLander-v2"), "RL-Zoo's tuned PPO hyperparameters for LunarLander", _RLZOO_LUNAR, None),
     (tuple(f"{n}-v*" for n in _MUJOCO_NAMES), "CleanRL ppo_continuous_action.py defaults (MuJoCo benchmark)",
      _CLEANRL_MUJOCO, None),
