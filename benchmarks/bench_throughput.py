@@ -2,7 +2,8 @@
 
 Part 1: for 8 ... 4096 envs, the env's raw random-action throughput (``envs.step`` alone, actions drawn up front)
 against ppokit's steps/s during the rollout (acting + stepping + buffer writes; rollout phases only) and over
-the whole training loop (with the updates), as a fraction of the raw throughput.
+the whole training loop (with the updates), as a fraction of the raw throughput; and the microseconds of acting
+per rollout step (the trainer's inference timer).
 
 Part 2: whole-process seconds of ``python -m ppokit.cli train --preset cartpole-fast --quiet`` (process start to
 exit, measured around a subprocess) over 5 seeds; the preset stops once 16 deterministic evaluation episodes
@@ -44,8 +45,10 @@ def raw_env_sps(num_envs: int, steps: int) -> float:
     return steps * num_envs / dt
 
 
-def ppokit_sps(num_envs: int, updates: int, device: str) -> tuple[float, float]:
-    """(rollout-only, whole-loop) steps/s of ppokit training on native CartPole with ``num_envs`` envs."""
+def ppokit_sps(num_envs: int, updates: int, device: str) -> tuple[float, float, float]:
+    """(rollout-only steps/s, whole-loop steps/s, microseconds of acting per rollout step) of ppokit training on
+    native CartPole with ``num_envs`` envs. Acting is the trainer's "inference" timer: the policy call, the buffer
+    writes of its outputs and the actions' hand-over to the env."""
     from ppokit.config import load_preset
     from ppokit.trainer import Trainer
 
@@ -59,7 +62,8 @@ def ppokit_sps(num_envs: int, updates: int, device: str) -> tuple[float, float]:
         run = tr.run()
     last = run.metrics[-1]
     rollout = last["perf/time_env"] + last["perf/time_inference"]
-    return run.global_step / rollout, last["perf/sps"]
+    act_us = last["perf/time_inference"] / (run.global_step / num_envs) * 1e6
+    return run.global_step / rollout, last["perf/sps"], act_us
 
 
 def solve_times(seeds: list[int], preset: str, extra: list[str]) -> list[dict]:
@@ -108,15 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     rows, frac_1024 = [], None
     for n in env_counts:
         raw = raw_env_sps(n, raw_steps)
-        roll, loop = ppokit_sps(n, updates, args.device)
-        rows.append([n, raw, roll, roll / raw, loop, loop / raw])
+        roll, loop, act_us = ppokit_sps(n, updates, args.device)
+        rows.append([n, raw, roll, roll / raw, f"{act_us:.0f}", loop, loop / raw])
         if n == 1024:
             frac_1024 = roll / raw
-        print(f"  {n} envs: raw {raw:,.0f}/s, rollout {roll:,.0f}/s, loop {loop:,.0f}/s", flush=True)
+        print(f"  {n} envs: raw {raw:,.0f}/s, rollout {roll:,.0f}/s, acting {act_us:.0f} us/step, "
+              f"loop {loop:,.0f}/s", flush=True)
     print()
     print("## Throughput vs number of envs (16 steps per rollout, 4 epochs x 4 minibatches, fused update)")
-    print(C.table(["envs", "raw env steps/s", "ppokit rollout steps/s", "rollout / raw", "ppokit loop steps/s",
-                   "loop / raw"], rows))
+    print(C.table(["envs", "raw env steps/s", "ppokit rollout steps/s", "rollout / raw", "acting us/step",
+                   "ppokit loop steps/s", "loop / raw"], rows))
     print()
 
     print("## Seconds to solve CartPole-v1 (whole process: python -m ppokit.cli train --preset cartpole-fast --quiet)")

@@ -286,3 +286,172 @@ def test_fused_checkpoints_resume_in_either_mode(tmp_path):
     sd = tr.optimizer.state_dict()
     for i, entry in state["optimizer"]["state"].items():
         assert torch.equal(sd["state"][i]["exp_avg"], entry["exp_avg"])
+
+
+# ---------------------------------------------------------------------- acting (FusedKernel.act)
+def acting_pair(kind, activation, dtype=torch.float32, hidden=(16, 12), obs_dim=5, seed=0):
+    """A policy with its FlatAdam, and an independent deep copy (plain module) as the reference actor."""
+    torch.manual_seed(seed)
+    dims = [3] if kind == "discrete" else [2]
+    pol = ActorCritic(obs_dim, kind, dims, list(hidden), activation).to(dtype)
+    if kind == "continuous":
+        with torch.no_grad():
+            pol.log_std.copy_(torch.tensor([-0.3, 0.4], dtype=dtype))
+    ref = copy.deepcopy(pol)
+    return pol, FlatAdam(pol, lr=1e-2), ref
+
+
+def assert_acts_like(kernel, ref, obs, tol, deterministic=False, seed=11):
+    """Same RNG state in, same actions out; logp and values within ``tol`` (relative to magnitude, at least 1)."""
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        a_ref, lp_ref, v_ref = ref.act(obs, deterministic)
+    after_ref = torch.rand(3)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        a, lp, v = kernel.act(obs, deterministic)
+    # The kernel consumed exactly the random numbers the reference did: the next draws agree.
+    assert torch.equal(torch.rand(3), after_ref)
+    assert a.shape == a_ref.shape and lp.shape == lp_ref.shape == v.shape == v_ref.shape == (obs.shape[0],)
+    if ref.kind == "discrete":
+        assert a.dtype == torch.long and torch.equal(a, a_ref)
+    else:
+        torch.testing.assert_close(a, a_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(lp, lp_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(v, v_ref, rtol=tol, atol=tol)
+    return a, lp, v
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_acting_matches_policy_act_across_batch_sizes_and_updates(kind, activation, dtype, tol):
+    pol, opt, ref = acting_pair(kind, activation, dtype)
+    g = torch.Generator().manual_seed(2)
+    sizes = [1, 8, 37, 1024]
+    for B in sizes:  # fresh weights
+        obs = 2.0 * torch.randn(B, pol.obs_dim, generator=g, dtype=dtype)
+        assert_acts_like(opt.kernel, ref, obs, tol, seed=B)
+        assert_acts_like(opt.kernel, ref, obs, tol, deterministic=True)
+    s = settings(True, update_epochs=2, num_minibatches=2)
+    for step in range(3):  # after optimizer steps the acting weights follow the parameters
+        batch = make_batch(pol, 64, True, seed=step)
+        fused_ppo_update(pol, opt, batch, s, torch.Generator().manual_seed(step))
+        ref.load_state_dict(pol.state_dict())
+        for B in sizes:
+            obs = torch.randn(B, pol.obs_dim, generator=g, dtype=dtype)
+            assert_acts_like(opt.kernel, ref, obs, tol, seed=100 * step + B)
+    # The parameters really moved, so a stale cache would have failed above.
+    start = acting_pair(kind, activation, dtype)[0]
+    assert any((p - q).abs().max() > 1e-3 for p, q in zip(pol.parameters(), start.parameters()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_acting_sees_load_state_dict_and_inplace_parameter_writes(kind):
+    pol, opt, ref = acting_pair(kind, "tanh")
+    obs = torch.randn(64, pol.obs_dim)
+    assert_acts_like(opt.kernel, ref, obs, 1e-5)  # builds and caches the acting weights
+    # policy.load_state_dict writes the flat buffer through the parameter views (a checkpoint resume does this).
+    other = acting_pair(kind, "tanh", seed=7)[2]
+    pol.load_state_dict(other.state_dict())
+    assert_acts_like(opt.kernel, other, obs, 1e-5)
+    # An in-place edit of one parameter (here the critic's last bias, under inference mode) is seen too.
+    with torch.inference_mode():
+        pol.critic[-1].bias.add_(3.0)
+    with torch.no_grad():
+        other.critic[-1].bias.add_(3.0)
+    _, _, v = assert_acts_like(opt.kernel, other, obs, 1e-5)
+    # Writes through .data bypass every version counter: invalidate() is the documented way to announce them.
+    pol.actor[0].weight.data.mul_(0.5)
+    with torch.no_grad():
+        other.actor[0].weight.mul_(0.5)
+    opt.kernel.invalidate()
+    assert_acts_like(opt.kernel, other, obs, 1e-5)
+    # FlatAdam.step on its own (without fused_ppo_update) invalidates as well.
+    opt.flat.grad.normal_()
+    opt.step()
+    other.load_state_dict(pol.state_dict())
+    assert_acts_like(opt.kernel, other, obs, 1e-5)
+
+
+def test_acting_after_checkpoint_resume_matches_the_restored_policy(tmp_path):
+    from ppokit.checkpoint import load_checkpoint
+    from ppokit.trainer import CHECKPOINT_NAME, Trainer, train
+
+    cfg = cartpole_config(tmp_path, True, "run")
+    cfg.total_timesteps = 4 * 64 * 2
+    first = train(cfg, console_enabled=False)
+    state = load_checkpoint(first.run_dir / CHECKPOINT_NAME)
+    tr = Trainer(PPOConfig.from_dict(state["config"]), run_dir=tmp_path / "again", console_enabled=False,
+                 resume_state=state)
+    assert tr.fused
+    obs = torch.randn(16, 4)
+    assert_acts_like(tr.optimizer.kernel, first.policy, obs, 1e-5)
+    # A trainer that acted before the checkpoint's weights were loaded into it acts with the loaded weights.
+    fresh = Trainer(PPOConfig.from_dict({**state["config"], "seed": 99}), run_dir=tmp_path / "fresh",
+                    console_enabled=False)
+    with torch.inference_mode():
+        fresh.optimizer.kernel.act(obs)
+    fresh._load_state(state)  # what resume() does
+    assert_acts_like(fresh.optimizer.kernel, first.policy, obs, 1e-5)
+    for t in (tr, fresh):
+        t.envs.close()
+        t.logger.close()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_acting_with_unequal_actor_critic_and_without_hidden_layers(activation, kind):
+    from ppokit.policies import mlp
+
+    # Actor and critic of different widths cannot share one matmul per depth: the per-net fallback runs.
+    pol, _, _ = acting_pair(kind, activation, torch.float64)
+    pol.critic = mlp(pol.obs_dim, [7, 9, 4], 1, activation, out_gain=1.0).to(torch.float64)
+    ref = copy.deepcopy(pol)
+    opt = FlatAdam(pol)
+    assert_acts_like(opt.kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
+    assert not opt.kernel._merged
+    # A critic without hidden layers next to a hidden actor.
+    pol, _, _ = acting_pair(kind, activation, torch.float64)
+    pol.critic = mlp(pol.obs_dim, [], 1, activation, out_gain=1.0).to(torch.float64)
+    ref = copy.deepcopy(pol)
+    opt = FlatAdam(pol)
+    assert_acts_like(opt.kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
+    assert not opt.kernel._merged
+    # No hidden layers: both heads read the observation.
+    pol, opt, ref = acting_pair(kind, activation, torch.float64, hidden=())
+    assert_acts_like(opt.kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
+    # One hidden layer (the merged path with no deeper layer).
+    pol, opt, ref = acting_pair(kind, activation, torch.float64, hidden=(6,))
+    assert_acts_like(opt.kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
+    assert opt.kernel._merged
+
+
+def test_acting_outputs_are_fresh_and_work_outside_inference_mode():
+    pol, opt, ref = acting_pair("discrete", "tanh")
+    obs = torch.randn(8, pol.obs_dim)
+    with torch.inference_mode():
+        a1, lp1, v1 = opt.kernel.act(obs)  # buffers are created inside inference mode here ...
+    kept = (a1.clone(), lp1.clone(), v1.clone())
+    a2, lp2, v2 = opt.kernel.act(torch.randn(8, pol.obs_dim))  # ... and reused with grad mode on
+    assert not (lp2.requires_grad or v2.requires_grad)
+    # Results of one call are not overwritten by the next (the trainer keeps them in its buffer).
+    for x, y in zip((a1, lp1, v1), kept):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(opt.kernel.actor_head(obs), ref.actor(obs).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_acting_smoke():
+    """benchmarks/bench_acting.py runs (tiny budgets) and reports both implementations per batch size."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_acting.py"), "--smoke", "--envs", "8,64"],
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for kind in ("discrete", "continuous"):
+        for n in (8, 64):
+            assert f"RATIO acting {kind} {n} envs: fused " in proc.stdout

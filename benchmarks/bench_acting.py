@@ -1,0 +1,96 @@
+"""Per-call cost of acting: the fused kernel's ``FusedKernel.act`` against ``ActorCritic.act`` (eager modules).
+
+For CartPole's shapes (4 observations, 2 actions, 64x64 tanh actor and critic) and a continuous 1-D action head,
+at 8 and 1024 envs: the best of several timed blocks of calls, in microseconds per call, under inference mode on
+one thread. ``--fused-module PATH`` times another ``fused.py`` (for instance the previous revision, written out
+with ``git show HEAD:src/ppokit/fused.py > /tmp/fused_old.py``) side by side with the installed one.
+
+    python benchmarks/bench_acting.py [--smoke] [--envs 8,1024] [--fused-module PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+import torch  # noqa: E402
+
+
+def load_fused(path: str | None):
+    """The installed ``ppokit.fused``, or the ``fused.py`` at ``path`` loaded as a module of the ppokit package."""
+    import ppokit.fused
+
+    if path is None:
+        return ppokit.fused
+    spec = importlib.util.spec_from_file_location("ppokit._fused_compare", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def per_call_us(fns: dict, arg, calls: int, repeats: int) -> dict[str, float]:
+    """Best mean microseconds per call of each function over ``repeats`` rounds of ``calls`` calls; the functions
+    alternate within each round (so machine noise hits them alike), after a warm-up round."""
+    best = {name: float("inf") for name in fns}
+    for r in range(repeats + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(arg)
+            if r:  # round 0 warms up (first-call allocations, lazy initialisation)
+                best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+    return {name: t * 1e6 for name, t in best.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny budgets (checks the script runs; numbers meaningless)")
+    p.add_argument("--envs", default="8,1024", help="comma-separated batch sizes (default 8,1024)")
+    p.add_argument("--fused-module", default=None, help="path of another fused.py to time next to the installed one")
+    args = p.parse_args(argv)
+    from ppokit.policies import ActorCritic
+
+    sizes = [int(x) for x in args.envs.split(",")]
+    repeats = 2 if args.smoke else 7
+    impls = {"fused (installed)": load_fused(None)}
+    if args.fused_module:
+        impls[f"fused ({args.fused_module})"] = load_fused(args.fused_module)
+    C.header("Per-call acting cost")
+    rows = []
+    for kind, dims in (("discrete", [2]), ("continuous", [1])):
+        for B in sizes:
+            calls = 20 if args.smoke else max(50, 200_000 // (B * 64))
+            torch.manual_seed(0)
+            policy = ActorCritic(4, kind, dims, [64, 64], "tanh")
+            obs = torch.randn(B, 4)
+            fns = {"ActorCritic.act": policy.act}
+            for name, mod in impls.items():
+                clone = ActorCritic(4, kind, dims, [64, 64], "tanh")
+                clone.load_state_dict(policy.state_dict())
+                fns[name] = mod.FlatAdam(clone).kernel.act
+            with torch.inference_mode():
+                times = per_call_us(fns, obs, calls, repeats)
+            for name, us in times.items():
+                rows.append([kind, B, name, f"{us:.1f}"])
+                print(f"  {kind} {B} envs, {name}: {us:.1f} us/call", flush=True)
+    print()
+    print("## Microseconds per acting call (tanh 64x64 actor + critic, 4 observations; best block)")
+    print(C.table(["action head", "envs", "implementation", "us per call"], rows))
+    print(f"load average after: {C.load()}")
+    for kind in ("discrete", "continuous"):
+        for B in sizes:
+            us = {r[2]: float(r[3]) for r in rows if r[0] == kind and r[1] == B}
+            print(f"RATIO acting {kind} {B} envs: fused {us['fused (installed)']:.1f} us/call, "
+                  f"ActorCritic.act {us['ActorCritic.act']:.1f} us/call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
