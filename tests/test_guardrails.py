@@ -44,9 +44,12 @@ def test_each_rule_is_refused(command, flags, field, words, tmp_path, capsys):
 
 
 def test_limits_themselves_are_allowed():
-    PPOConfig(update_epochs=30, clip_coef=0.3).validate()
+    assert PPOConfig(update_epochs=30, clip_coef=0.3).guard_rail_violations() == []
+    assert PPOConfig(update_epochs=30, clip_coef=0.3).validate().update_epochs == 30
     # The clip rule is about the clipped objective; ppo-kl does not use eps as a trust region.
-    PPOConfig(algo="ppo-kl", clip_coef=0.5).validate()
+    assert PPOConfig(algo="ppo-kl", clip_coef=0.5).guard_rail_violations() == []
+    assert [f for f, _ in PPOConfig(update_epochs=31, clip_coef=0.31).guard_rail_violations()] == [
+        "update_epochs", "clip_coef"]
 
 
 def test_unsafe_plan_is_allowed_and_says_so(capsys):
