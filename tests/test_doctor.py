@@ -93,6 +93,7 @@ def test_entropy_collapse(tmp_path):
     assert "PROBLEM" in d.checks[2] and "ok" in d.checks[0] and "ok" in d.checks[1]
 
 
+@pytest.mark.slow
 def test_healthy_cartpole_run(tmp_path, capsys):
     run_dir = _run(tmp_path, "healthy", total_timesteps=40000)
     d, cause = _first(run_dir)

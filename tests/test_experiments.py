@@ -172,6 +172,7 @@ def _png_ok(path: Path) -> None:
     assert len(data) < 150_000, (path, len(data))
 
 
+@pytest.mark.slow
 def test_sweep_writes_everything_and_resumes(tmp_path, capsys):
     out = tmp_path / "sweep"
     argv = ["sweep", "--preset", "gridworld", "--set", "update_epochs=1,4", "--seeds", "2", "--total-timesteps",
@@ -215,6 +216,7 @@ def test_sweep_writes_everything_and_resumes(tmp_path, capsys):
     assert len(_read_csv(out / "update_epochs=4/seed2/metrics.csv")) == 4  # restarted, not appended
 
 
+@pytest.mark.slow
 def test_compare_writes_stability_and_beta(tmp_path):
     out = tmp_path / "cmp"
     assert main(["compare", "--algos", "ppo,a2c,ppo-kl", "--preset", "gridworld", "--seeds", "2",

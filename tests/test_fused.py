@@ -441,6 +441,7 @@ def test_acting_outputs_are_fresh_and_work_outside_inference_mode():
     torch.testing.assert_close(opt.kernel.actor_head(obs), ref.actor(obs).detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bench_acting_smoke():
     """benchmarks/bench_acting.py runs (tiny budgets) and reports both implementations per batch size."""
     import os

@@ -59,6 +59,7 @@ def test_unsafe_plan_is_allowed_and_says_so(capsys):
     assert "unsafe = true" in out and "UNSAFE" in out and "update_epochs = 40" in out
 
 
+@pytest.mark.slow
 def test_unsafe_run_is_stamped_everywhere(tmp_path, monkeypatch, capsys):
     titles = []
     original = ppokit.plots.plot_curves

@@ -62,6 +62,7 @@ def test_objective_command_other_eps(tmp_path, capsys, monkeypatch):
         assert value in printed
 
 
+@pytest.mark.slow
 def test_objective_command_subprocess(tmp_path):
     out = tmp_path / "fig.png"
     env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1", COLUMNS="120")

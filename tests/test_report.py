@@ -50,6 +50,7 @@ def test_report_is_self_contained(run_dir):
     assert 'id="doctor"' in html and 'id="config"' in html and "ppokit/GridWorld-v0" in html
 
 
+@pytest.mark.slow
 def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     chromium = _chromium()
     out = tmp_path / "report.html"

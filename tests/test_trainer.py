@@ -186,6 +186,7 @@ def test_truncated_steps_bootstrap_from_the_final_observation_not_the_reset_one(
     trainer.envs.close()
 
 
+@pytest.mark.slow
 def test_value_of_a_time_limited_infinite_task_approaches_one_over_one_minus_gamma(tmp_path):
     env_id = "ppokit_test/ConstantReward-v0"
     gamma = 0.9
@@ -221,6 +222,7 @@ def test_next_step_autoreset_drops_the_reset_steps_from_the_batch(tmp_path):
 
 
 # ------------------------------------------------------------------ learning
+@pytest.mark.slow
 def test_gridworld_reaches_the_optimal_return_within_20k_steps(tmp_path):
     cfg = load_preset("gridworld")
     cfg.run_dir = str(tmp_path / "gw")
@@ -524,6 +526,7 @@ class TwoKnobsEnv(gym.Env):
 gym.register("ppokit_test/TwoKnobs-v0", entry_point=TwoKnobsEnv)
 
 
+@pytest.mark.slow
 def test_multidiscrete_policy_learns_the_rewarded_joint_action(tmp_path):
     cfg = PPOConfig(env_id="ppokit_test/TwoKnobs-v0", num_envs=4, num_steps=20, total_timesteps=6000,
                     learning_rate=3e-3, num_minibatches=2, run_dir=str(tmp_path / "md"), tensorboard=False)
