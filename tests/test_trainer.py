@@ -416,7 +416,8 @@ def test_unsupported_spaces_get_a_clear_error(tmp_path):
         def step(self, action):
             return np.zeros(2, np.float32), 0.0, True, False, {}
 
-    gym.register("ppokit_test/DictAction-v0", entry_point=DictActionEnv)
+    if "ppokit_test/DictAction-v0" not in gym.registry:
+        gym.register("ppokit_test/DictAction-v0", entry_point=DictActionEnv)
     cfg = small_gridworld(tmp_path, env_id="ppokit_test/DictAction-v0")
     with pytest.raises(ValueError, match="Dict"):
         train(cfg, console_enabled=False)
@@ -452,7 +453,8 @@ def test_nonfinite_loss_skips_the_minibatch_and_leaves_weights_untouched():
 
 
 def test_user_registered_env_trains_through_the_python_api(tmp_path):
-    gym.register("ppokit_test/UserGrid-v0", entry_point=GridWorldEnv, max_episode_steps=20, kwargs={"size": 3})
+    if "ppokit_test/UserGrid-v0" not in gym.registry:
+        gym.register("ppokit_test/UserGrid-v0", entry_point=GridWorldEnv, max_episode_steps=20, kwargs={"size": 3})
     run = train(small_gridworld(tmp_path, env_id="ppokit_test/UserGrid-v0", total_timesteps=512),
                 console_enabled=False)
     assert run.global_step == 512 and run.policy.obs_dim == 9
