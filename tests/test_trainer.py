@@ -416,9 +416,9 @@ def test_unsupported_spaces_get_a_clear_error(tmp_path):
         def step(self, action):
             return np.zeros(2, np.float32), 0.0, True, False, {}
 
-    if "ppokit_test/DictAction-v0" not in gym.registry:
-        gym.register("ppokit_test/DictAction-v0", entry_point=DictActionEnv)
-    cfg = small_gridworld(tmp_path, env_id="ppokit_test/DictAction-v0")
+    if "ppokit_test/TrainerDictAction-v0" not in gym.registry:
+        gym.register("ppokit_test/TrainerDictAction-v0", entry_point=DictActionEnv)
+    cfg = small_gridworld(tmp_path, env_id="ppokit_test/TrainerDictAction-v0")
     with pytest.raises(ValueError, match="Dict"):
         train(cfg, console_enabled=False)
 
