@@ -25,7 +25,7 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 
 ALGOS = ("ppo", "ppo-kl", "a2c")
 ACTIVATIONS = ("tanh", "relu")
-VECTOR_MODES = ("sync", "async", "native")
+VECTOR_MODES = ("sync", "async", "native", "envpool")
 
 # The trust-region guard rails from the PPO lessons: beyond these a run is refused unless marked unsafe.
 SAFE_LIMITS = {"update_epochs": 30, "clip_coef": 0.3}
@@ -53,7 +53,8 @@ class PPOConfig:
     # --- environment ---
     env_id: str = _f("CartPole-v1", "Gymnasium environment id (any registered id, e.g. CartPole-v1, ppokit/GridWorld-v0)")
     num_envs: int = _f(4, "number of parallel environments N")
-    vector_mode: str = _f("sync", "vectorization: sync (one process), async (subprocesses) or native (batched env)")
+    vector_mode: str = _f("sync", "vectorization: sync (one process), async (subprocesses), native (the env's "
+                          "batched version) or envpool (the optional envpool package)")
     normalize_obs: bool = _f(False, "normalize observations by a running mean/std (clipped to +-10)")
     normalize_reward: bool = _f(False, "scale rewards by the running std of the discounted return (clipped to +-10)")
     # --- rollout and schedule ---

@@ -10,7 +10,7 @@ import gymnasium as gym
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
-VECTOR_MODES = ("sync", "async", "native")
+VECTOR_MODES = ("sync", "async", "native", "envpool")
 
 
 def _split_module(env_id: str) -> tuple[str | None, str]:
@@ -125,15 +125,21 @@ def make_vec_env(
     vector_mode: str = "sync",
     env_kwargs: dict[str, Any] | None = None,
 ) -> gym.vector.VectorEnv:
-    """Build ``num_envs`` envs ("sync"/"async": SAME_STEP autoreset; "native": the env's own vector class), un-reset."""
-    check_env_id(env_id)
+    """Build ``num_envs`` envs, un-reset: "sync"/"async" with SAME_STEP autoreset, "native" the env's own vector
+    class, "envpool" the optional envpool package (NEXT_STEP autoreset)."""
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
     if vector_mode not in VECTOR_MODES:
         raise ValueError(f"vector_mode must be one of {VECTOR_MODES}, got {vector_mode!r}")
     kwargs = dict(env_kwargs or {})
 
-    if vector_mode in ("sync", "async"):
+    if vector_mode == "envpool":
+        from ppokit.envs.envpool_backend import EnvPoolVectorEnv
+
+        # envpool has its own task list (Atari and MuJoCo need no Gymnasium registration there).
+        env = EnvPoolVectorEnv(env_id, int(num_envs), seed, **kwargs)
+    elif vector_mode in ("sync", "async"):
+        check_env_id(env_id)
         # make_vec hands sub-processes an EnvSpec whose entry point is an import string,
         # so workers import ppokit.envs.gridworld themselves and need no registry state.
         env = gym.make_vec(
@@ -144,6 +150,7 @@ def make_vec_env(
             **kwargs,
         )
     else:
+        check_env_id(env_id)
         spec = _get_spec(env_id)
         if spec.vector_entry_point is None:
             raise ValueError(

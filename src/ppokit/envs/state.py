@@ -83,11 +83,11 @@ def _capture_obj(obj: Any) -> dict:
 
 
 def capture_env_state(vec_env: Any) -> dict | None:
-    """Plain-data state of a sync or natively batched vector env (``None`` when it lives in subprocesses)."""
+    """Plain-data state of a sync or natively batched vector env (``None`` when it lives in subprocesses or C++)."""
     from gymnasium.vector import AsyncVectorEnv
 
     chain = _chain(vec_env)
-    if any(isinstance(e, AsyncVectorEnv) for e in chain):
+    if any(isinstance(e, AsyncVectorEnv) or getattr(e, "state_capturable", True) is False for e in chain):
         return None
     state = {"vector": [_capture_obj(e) for e in chain], "envs": []}
     base = chain[-1]
