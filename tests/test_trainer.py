@@ -542,3 +542,18 @@ def test_async_vector_mode_trains(tmp_path):
     run = train(small_gridworld(tmp_path, vector_mode="async", num_envs=2, num_steps=64, total_timesteps=512),
                 console_enabled=False)
     assert run.global_step == 512 and len(run.metrics) == 4
+
+
+def test_cli_resume_continues_the_run_to_a_new_total(tmp_path):
+    from ppokit.cli import main
+
+    run_dir = tmp_path / "res"
+    assert main(["train", "--preset", "gridworld", "--total-timesteps", "512", "--run-dir", str(run_dir),
+                 "--no-tensorboard", "--quiet"]) == 0
+    assert load_checkpoint(run_dir / CHECKPOINT_NAME)["global_step"] == 512
+    assert main(["train", "--resume", str(run_dir), "--total-timesteps", "1024", "--quiet"]) == 0
+    assert load_checkpoint(run_dir / CHECKPOINT_NAME)["global_step"] == 1024
+    with open(run_dir / "metrics.csv") as fh:
+        steps = [int(r["global_step"]) for r in csv.DictReader(fh)]
+    assert steps == [256, 512, 768, 1024]
+    assert main(["train", "--resume", str(tmp_path / "missing"), "--quiet"]) == 2
