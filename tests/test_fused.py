@@ -247,6 +247,7 @@ def cartpole_config(tmp_path, fused: bool, name: str) -> PPOConfig:
                      update_epochs=4, fused_update=fused, seed=3, tensorboard=False, run_dir=str(tmp_path / name))
 
 
+@pytest.mark.slow
 def test_training_with_fused_on_and_off_gives_the_same_first_updates(tmp_path):
     from ppokit.trainer import Trainer, train
 

@@ -92,6 +92,7 @@ def test_unsafe_run_is_stamped_everywhere(tmp_path, monkeypatch, capsys):
     assert 'class="unsafe-banner"' in html and "UNSAFE" in html
 
 
+@pytest.mark.slow
 def test_safe_run_is_not_stamped(tmp_path):
     run_dir = tmp_path / "safe"
     assert main(["train", "--preset", "gridworld", "--total-timesteps", "512", "--run-dir", str(run_dir), "--quiet",

@@ -156,6 +156,7 @@ def test_outputs_and_toml_roundtrip(tmp_path, capsys):
         assert section in md
 
 
+@pytest.mark.slow
 def test_planned_toml_trains_as_is(tmp_path, capsys):
     out = tmp_path / "plan.toml"
     assert main(["plan", "--env", "ppokit/GridWorld-v0", "--budget", "3000", "--out", str(out), "--no-probe"]) == 2

@@ -204,9 +204,11 @@ def test_value_of_a_time_limited_infinite_task_approaches_one_over_one_minus_gam
     assert agent.value(np.array([0.0], np.float32)) == pytest.approx(10.0, abs=1.0)
 
 
-def test_next_step_autoreset_drops_the_reset_steps_from_the_batch(tmp_path):
-    # Gymnasium's native CartPole uses NEXT_STEP autoreset: the step after an episode end is no transition.
-    cfg = PPOConfig(env_id="CartPole-v1", vector_mode="native", num_envs=8, num_steps=64, total_timesteps=512,
+@pytest.mark.parametrize("vector_mode", ["native", "envpool"])
+def test_next_step_autoreset_drops_the_reset_steps_from_the_batch(tmp_path, vector_mode):
+    # Gymnasium's native CartPole and envpool use NEXT_STEP autoreset: the step after an episode end is no
+    # transition (its action is ignored and its reward is 0).
+    cfg = PPOConfig(env_id="CartPole-v1", vector_mode=vector_mode, num_envs=8, num_steps=64, total_timesteps=512,
                     num_minibatches=2, run_dir=str(tmp_path / "n"), tensorboard=False)
     trainer = Trainer(cfg, console_enabled=False)
     trainer.collect_rollout()
@@ -215,6 +217,7 @@ def test_next_step_autoreset_drops_the_reset_steps_from_the_batch(tmp_path):
     assert done[:-1].any()
     # valid[t+1] is False exactly where step t ended an episode.
     assert torch.equal(buf.valid[1:], ~done[:-1])
+    assert torch.all(buf.rewards[1:][done[:-1]] == 0)
     batch, _, _ = trainer.compute_advantages()
     assert len(batch) == int(buf.valid.sum()) < cfg.batch_size
     trainer.logger.close()
@@ -497,6 +500,7 @@ def test_bare_train_uses_the_cartpole_preset():
     assert config_from_args(args).env_id == "Acrobot-v1"
 
 
+@pytest.mark.slow
 def test_cli_eval_records_videos(tmp_path, capsys):
     from ppokit.cli import main
 
@@ -544,6 +548,7 @@ def test_async_vector_mode_trains(tmp_path):
     assert run.global_step == 512 and len(run.metrics) == 4
 
 
+@pytest.mark.slow
 def test_cli_resume_continues_the_run_to_a_new_total(tmp_path):
     from ppokit.cli import main
 
