@@ -169,14 +169,14 @@ def test_console_not_a_terminal_prints_plain_progress_line():
     for i in range(1, 4):
         sink.write(i * 4096, {"charts/episodic_return": 23.1, "perf/sps": 4100.0, "diag/approx_kl": 0.004})
     out = console.file.getvalue()
-    assert "[ 12% ] step 12,288/100,000 | return 23.1 | SPS 4,100 | KL 0.004" in out
+    assert "update 3 step 12,288 return 23.1 kl 0.004 clipfrac - ev - sps 4,100" in out
     assert "\x1b[" not in out  # no escape codes in a pipe
     assert "━" not in out.splitlines()[0]
     sink.write(5 * 4096, {"charts/episodic_return": NAN, "perf/sps": 4000.0, "diag/approx_kl": 0.01})
     sink.close()
     # close() reports where the run stopped; a NaN return keeps the last finite one.
     assert out != console.file.getvalue()
-    assert console.file.getvalue().rstrip().endswith("[ 20% ] step 20,480/100,000 | return 23.1 | SPS 4,000 | KL 0.01")
+    assert console.file.getvalue().rstrip().endswith("update 4 step 20,480 return 23.1 kl 0.01 clipfrac - ev - sps 4,000")
 
 
 def test_console_default_console_under_capsys(capsys, monkeypatch):
@@ -187,7 +187,7 @@ def test_console_default_console_under_capsys(capsys, monkeypatch):
     sink.alert(500, "warning", "kl_spike", "approx_kl 0.3")
     sink.close()
     out = capsys.readouterr().out
-    assert "[ 50% ] step 500/1,000 | return 1.5" in out
+    assert "update 1 step 500 return 1.5" in out
     assert "WARNING step 500 kl_spike: approx_kl 0.3" in out
 
 

@@ -18,15 +18,6 @@ from typing import Any, Iterable
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 __all__ = ["CSVSink", "TensorBoardSink", "ConsoleSink", "MetricsLogger"]
@@ -47,6 +38,15 @@ _TABLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lr", ("charts/learning_rate", "charts/lr", "optim/lr", "diag/lr")),
     ("epochs", ("diag/epochs_run", "diag/epochs", "perf/epochs_run")),
     ("SPS", _SPS_KEYS),
+)
+# The plain line's fields: label, accepted keys, format (2 significant digits for the diagnostics, whose third
+# digit is noise from one update to the next).
+_LINE_FIELDS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
+    ("return", _RETURN_KEYS, lambda v: f"{v:.1f}"),
+    ("kl", _KL_KEYS, lambda v: f"{v:.2g}"),
+    ("clipfrac", ("diag/clipfrac", "losses/clipfrac"), lambda v: f"{v:.2g}"),
+    ("ev", ("diag/explained_variance", "losses/explained_variance"), lambda v: f"{v:.2g}"),
+    ("sps", _SPS_KEYS, lambda v: f"{v:,.0f}"),
 )
 # "warn" and "alert" are the guard-rail monitor's two levels; the logging-style names are accepted too.
 _LEVEL_STYLES = {
@@ -210,7 +210,12 @@ class TensorBoardSink:
 
 
 class ConsoleSink:
-    """Rich console output: a live progress bar on a terminal, plain progress lines otherwise, periodic tables."""
+    """Rich console output: on a wide terminal a live progress bar and a metrics table every ``log_every`` updates;
+    piped output or a terminal narrower than ``WIDE_COLUMNS`` gets one plain line per logged update instead
+    (``update 380 step 97,280 return 500.0 kl 0.00045 clipfrac 0.02 ev 0.72 sps 6,068``), which a table of eleven
+    columns would collapse into ``r… l… policy …``."""
+
+    WIDE_COLUMNS = 100  # the eleven-column table needs about this many columns
 
     def __init__(self, total_timesteps: int, log_every: int = 10, console: Console | None = None, enabled: bool = True):
         if int(total_timesteps) <= 0:
@@ -225,11 +230,18 @@ class ConsoleSink:
         self._latest: dict[str, float] = {}  # last finite value of each key, so a NaN update keeps the old number
         self._step = 0
         self._updates = 0
+        self._update_number = 0  # the trainer's update index when it logs one (a resumed run does not start at 1)
         self._last_line_update = 0
         self._closed = False
-        self._progress: Progress | None = None
+        self._progress = None
         self._task = None
-        if self.enabled and self.console.is_terminal and not self.console.is_dumb_terminal:
+        self.plain = not (self.console.is_terminal and not self.console.is_dumb_terminal
+                          and self.console.width >= self.WIDE_COLUMNS)
+        if self.enabled and not self.plain:
+            # Imported here: piped runs (CI, scripts, tests) never draw a bar.
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn)
+
             self._progress = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(bar_width=None),
@@ -252,13 +264,13 @@ class ConsoleSink:
         """True when a live progress bar is being drawn."""
         return self._progress is not None
 
-    def _stat_parts(self, markup: bool) -> list[str]:
+    def _description(self) -> str:
         parts = []
         ret = _first(self._latest, _RETURN_KEYS)
         if ret is not None:
             shown = f"{ret:.1f}" if abs(ret) >= 100 else f"{ret:.3g}"
-            parts.append(f"return [bold]{shown}[/]" if markup else f"return {shown}")
-        elif markup:
+            parts.append(f"return [bold]{shown}[/]")
+        else:
             parts.append("return –")
         sps = _first(self._latest, _SPS_KEYS)
         if sps is not None:
@@ -266,20 +278,23 @@ class ConsoleSink:
         kl = _first(self._latest, _KL_KEYS)
         if kl is not None:
             parts.append(f"KL {kl:.3g}")
-        return parts
+        return " | ".join(parts)
 
-    def _description(self) -> str:
-        return " | ".join(self._stat_parts(markup=True))
+    def update_line(self) -> str:
+        """The plain one-line summary of the latest update, one field per key metric, e.g.
+        ``update 380 step 97,280 return 500.0 kl 0.00045 clipfrac 0.02 ev 0.72 sps 6,068``; ``-`` where a metric
+        has had no finite value yet (no episode finished, say)."""
+        parts = [f"update {self._update_number:,}", f"step {self._step:,}"]
+        for label, keys, fmt in _LINE_FIELDS:
+            value = _first(self._latest, keys)
+            parts.append(f"{label} {'-' if value is None else fmt(value)}")
+        return " ".join(parts)
 
-    def progress_line(self) -> str:
-        """Plain one-line progress summary, e.g. ``[ 12% ] step 12,288/100,000 | return 23.1 | SPS 4,100``."""
-        pct = min(100.0, 100.0 * self._step / self.total_timesteps)
-        head = f"[{pct:3.0f}% ] step {self._step:,}/{self.total_timesteps:,}"
-        return " | ".join([head, *self._stat_parts(markup=False)])
-
-    def table(self, step: int) -> Table:
+    def table(self, step: int):
         """A one-row table of the key metrics seen so far."""
-        table = Table(title=f"update {self._updates:,} · step {step:,}", title_justify="left", expand=False)
+        from rich.table import Table
+
+        table = Table(title=f"update {self._update_number:,} · step {step:,}", title_justify="left", expand=False)
         values = []
         for label, keys in _TABLE_COLUMNS:
             value = _first(self._latest, keys)
@@ -291,7 +306,7 @@ class ConsoleSink:
         return table
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        """Advance the bar to ``step`` and print a table (and, off-terminal, a progress line) every ``log_every``."""
+        """Advance the bar to ``step``; every ``log_every`` updates print a table (wide terminal) or a plain line."""
         if not self.enabled or self._closed:
             return
         for key, value in metrics.items():
@@ -299,6 +314,8 @@ class ConsoleSink:
                 self._latest[key] = _as_float(value)
         self._step = int(step)
         self._updates += 1
+        update = metrics.get("update")
+        self._update_number = int(_as_float(update)) if _is_finite(update) else self._update_number + 1
         if self._progress is not None and self._updates == 1:
             # A resumed run starts far from 0; without a reset that jump would count as speed and wreck the ETA.
             self._progress.reset(self._task, completed=min(self._step, self.total_timesteps))
@@ -311,12 +328,14 @@ class ConsoleSink:
                 refresh=True,
             )
         if self._updates % self.log_every == 0:
-            if self._progress is None:
+            if self.plain:
                 self._print_line()
-            self.console.print(self.table(self._step))
+            else:
+                self.console.print(self.table(self._step))
 
     def _print_line(self) -> None:
-        self.console.print(self.progress_line(), markup=False, highlight=False, soft_wrap=True)
+        # soft_wrap: a long line wraps at the terminal's edge rather than being cut or re-flowed by rich.
+        self.console.print(self.update_line(), markup=False, highlight=False, soft_wrap=True)
         self._last_line_update = self._updates
 
     def alert(self, step: int, level: str, name: str, message: str) -> None:
@@ -337,7 +356,7 @@ class ConsoleSink:
             self.console.print(renderable)
 
     def close(self) -> None:
-        """Stop the bar; off-terminal, print a final progress line if the last one is stale (idempotent)."""
+        """Stop the bar; in plain mode, print the last update's line if it was not printed yet (idempotent)."""
         if self._closed:
             return
         self._closed = True
