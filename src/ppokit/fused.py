@@ -27,8 +27,10 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .advantages import normalize
+from .objectives import past_clip
 from .policies import ActorCritic
-from .update import STAT_NAMES, Batch, UpdateSettings
+from .update import STAT_NAMES, Batch, UpdateSettings, kl_stops
 
 __all__ = ["FlatAdam", "FusedKernel", "supports", "fused_ppo_update", "unsupported_reason"]
 
@@ -504,14 +506,15 @@ class FusedKernel:
             logp = zz.sum(1).mul_(self.c(-0.5)).sub_(ls_sum + head.shape[1] * _LOG_SQRT_2PI)
             neg_ent = (ls_sum + head.shape[1] * _GAUSS_ENT).neg_().expand(M)
 
-        # Clipped surrogate: d(surrogate)/d(logp) = r*A where the unclipped branch is the minimum, else 0.
+        # Clipped surrogate: d(surrogate)/d(logp) = r*A, except past the clip in the improving direction where
+        # it is 0; the branch is chosen by objectives.past_clip, as in the reference (agreeing at rounding ties).
         logratio = logp - logp_old
         ratio = logratio.exp()
         unclipped = ratio * advantages
         ratio_c = ratio.clamp(1.0 - eps, 1.0 + eps)
-        clipped = ratio_c * advantages
-        surrogate = torch.minimum(unclipped, clipped)
-        g_logp = unclipped.masked_fill_(unclipped > clipped, 0.0).mul_(self.c(-inv_m))
+        past = past_clip(ratio, ratio_c, advantages)
+        surrogate = torch.where(past, ratio_c * advantages, unclipped)
+        g_logp = unclipped.masked_fill_(past, 0.0).mul_(self.c(-inv_m))
 
         # Value loss 0.5*mean((V-R)^2), or PPO2's max of clipped and unclipped squared errors.
         d = values - returns
@@ -519,10 +522,11 @@ class FusedKernel:
             dv = values - values_old
             dc = values_old + dv.clamp(-eps, eps) - returns
             sq_u, sq_c = d * d, dc * dc
-            sq = torch.maximum(sq_u, sq_c)
-            # Where the clipped branch is the max and the value moved past the clip, no gradient reaches V.
-            blocked = (sq_u < sq_c) & (dv.abs() > eps)
-            g_v = d.masked_fill(blocked, 0.0).mul_(self.c(s.vf_coef * inv_m))
+            # The clipped branch only where it is strictly larger (ties go to the unclipped one, as in
+            # objectives.value_loss). Its derivative is dc inside the clip and 0 where the value moved past it.
+            use_c = sq_c > sq_u
+            sq = torch.where(use_c, sq_c, sq_u)
+            g_v = torch.where(use_c, dc.masked_fill(dv.abs() > eps, 0.0), d).mul_(self.c(s.vf_coef * inv_m))
         else:
             sq = d * d
             g_v = d * self.c(s.vf_coef * inv_m)
@@ -568,28 +572,22 @@ def _split_sizes(n: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def _normalize_rows(adv: Tensor, sizes: list[int], c) -> Tensor:
-    """Per-minibatch advantage normalization (``advantages.normalize`` of each chunk), vectorized when equal-sized."""
+def _normalize_rows(adv: Tensor, sizes: list[int]) -> Tensor:
+    """Per-minibatch advantage normalization: ``advantages.normalize`` of each chunk (the same function, so both
+    paths share its rule for constant chunks), vectorized over the chunks when they are equal-sized."""
     if len(set(sizes)) == 1:
-        m = adv.view(len(sizes), sizes[0])
-        std, mean = torch.std_mean(m, 1, unbiased=False, keepdim=True)
-        return ((m - mean) / (std + c(1e-8))).view(-1)
-    parts = []
-    for chunk in torch.split(adv, sizes):
-        if chunk.numel() > 1:
-            std, mean = torch.std_mean(chunk, unbiased=False)
-            chunk = (chunk - mean) / (std + c(1e-8))
-        parts.append(chunk)
-    return torch.cat(parts)
+        return normalize(adv.view(len(sizes), sizes[0]), dim=1).view(-1)
+    return torch.cat([normalize(chunk) if chunk.numel() > 1 else chunk for chunk in torch.split(adv, sizes)])
 
 
 def fused_ppo_update(policy: ActorCritic, optimizer: FlatAdam, batch: Batch, s: UpdateSettings,
                      generator: torch.Generator | None = None) -> dict[str, float]:
     """Drop-in for ``update.ppo_update`` (same minibatches, guards and returned diagnostics), without autograd.
 
-    ``optimizer`` must be the policy's ``FlatAdam``; ``s.algo`` must be "ppo". As in the reference, a minibatch
-    with a non-finite loss or gradient norm is skipped, the gradient is clipped to ``max_grad_norm``, and
-    ``approx_kl > 1.5 * target_kl`` stops the remaining epochs.
+    ``optimizer`` must be the policy's ``FlatAdam``; ``s.algo`` must be "ppo". The guards are the reference's
+    (see ``update.ppo_update``), checked before the minibatch's step: a non-finite loss, gradient norm or approx
+    KL skips the minibatch; ``update.kl_stops`` (approx KL > 1.5 * target_kl) drops that minibatch unapplied and
+    stops the remaining epochs; otherwise the gradient is clipped to ``max_grad_norm`` and Adam steps.
     """
     if s.algo != "ppo":
         raise ValueError(f"fused_ppo_update: algo {s.algo!r} is not fused; use update.ppo_update")
@@ -616,12 +614,12 @@ def fused_ppo_update(policy: ActorCritic, optimizer: FlatAdam, batch: Batch, s: 
                 # normalized advantages are the same every epoch.
                 obs_e, act_e, aux_e = batch.obs, batch.actions, aux
                 if s.norm_adv and whole_norm is None:
-                    whole_norm = _normalize_rows(aux[2], sizes, kernel.c) if B > 1 else aux[2]
+                    whole_norm = _normalize_rows(aux[2], sizes) if B > 1 else aux[2]
                 adv_e = whole_norm if s.norm_adv else aux[2]
             else:
                 # Gathering in permuted order makes the reference's minibatches contiguous row ranges.
                 obs_e, act_e, aux_e = batch.obs[perm], batch.actions[perm], aux[:, perm]
-                adv_e = _normalize_rows(aux_e[2], sizes, kernel.c) if s.norm_adv else aux_e[2]
+                adv_e = _normalize_rows(aux_e[2], sizes) if s.norm_adv else aux_e[2]
             start = 0
             for M in sizes:
                 sl = slice(start, start + M)
@@ -635,19 +633,22 @@ def fused_ppo_update(policy: ActorCritic, optimizer: FlatAdam, batch: Batch, s: 
                 # One host read per minibatch serves the NaN guard, the clip, KL early stopping and the stats.
                 loss, vals = _host_stats(kernel.stat_buf.tolist(), s)
                 grad_norm = vals[-1]
-                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                if not (math.isfinite(loss) and math.isfinite(grad_norm) and math.isfinite(vals[3])):
+                    # vals[3] is the k3 KL: Inf when the ratio overflowed, even if the clipped loss is finite.
                     n_skipped += 1
                     optimizer.zero_grad()
                     continue
+                if kl_stops(vals[3], s.target_kl):
+                    # Stop BEFORE this step, as the reference does: the offending minibatch is not applied.
+                    optimizer.zero_grad()
+                    early_stopped = True
+                    break
                 coef = s.max_grad_norm / (grad_norm + 1e-6)
                 if coef < 1.0:
                     kernel.flat_grad.mul_(coef)
                 optimizer.step()
                 totals = [a + b for a, b in zip(totals, vals)]
                 n_done += 1
-                if s.target_kl is not None and vals[3] > 1.5 * s.target_kl:
-                    early_stopped = True
-                    break
             if early_stopped:
                 break
     means = [t / n_done for t in totals] if n_done else [float("nan")] * n_stats

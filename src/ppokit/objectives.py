@@ -17,6 +17,7 @@ from torch import Tensor
 __all__ = [
     "ppo_objective",
     "clipped_surrogate",
+    "past_clip",
     "policy_loss",
     "value_loss",
     "entropy_loss",
@@ -55,13 +56,26 @@ def clipped_surrogate(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, cl
     for numerical stability. ``logp_old`` and ``advantages`` are constants (detached): gradients flow only
     through ``logp_new``. The gradient w.r.t. ``logp_new`` is ``ratio * A`` except where the ratio has moved
     past the clip in the improving direction (A > 0 and r > 1+eps, or A < 0 and r < 1-eps), where it is 0.
+
+    The branch is chosen by exactly that rule (``past_clip``), not by comparing the rounded products: in exact
+    arithmetic it is where the minimum is the clipped term, but in float32 ``r*A`` and ``clip(r)*A`` can round
+    to the same value with r just past the clip, and ``torch.minimum`` then splits the gradient 50/50 at the
+    tie. Selecting with ``torch.where`` sends all of it to one branch; the fused update's hand-written backward
+    uses the same mask, so the two paths agree at such ties.
     """
     _same_shape(logp_new, logp_old, advantages)
     advantages = advantages.detach()
     ratio = torch.exp(logp_new - logp_old.detach())
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef) * advantages
-    return torch.minimum(unclipped, clipped)
+    ratio_clipped = torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef)
+    past = past_clip(ratio.detach(), ratio_clipped.detach(), advantages)
+    return torch.where(past, ratio_clipped * advantages, ratio * advantages)
+
+
+def past_clip(ratio: Tensor, ratio_clipped: Tensor, advantages: Tensor) -> Tensor:
+    """Bool mask of samples whose ratio left the clip range in the improving direction: ``r`` above the range
+    with ``A > 0`` or below it with ``A < 0`` (``ratio_clipped = clamp(r, 1-eps, 1+eps)``). There the clipped
+    surrogate is the constant ``clip(r)*A`` and passes no gradient; everywhere else it is ``r*A``."""
+    return ((ratio > ratio_clipped) & (advantages > 0)) | ((ratio < ratio_clipped) & (advantages < 0))
 
 
 def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_coef: float) -> Tensor:
@@ -78,7 +92,10 @@ def value_loss(
     """Scalar critic loss ``0.5 * mean((V - R)^2)``.
 
     With ``old_values`` and ``clip_coef`` given, the PPO2/CleanRL clipped form: the value change is clipped to
-    ``old_values +- clip_coef`` and the loss is the elementwise max of the clipped and unclipped squared errors.
+    ``old_values +- clip_coef`` and the loss is the elementwise max of the clipped and unclipped squared errors;
+    the clipped branch is taken only where it is strictly larger, so at a tie (the return exactly midway between
+    V and its clipped value, which float32 hits) the whole gradient goes to the unclipped branch, where
+    ``torch.maximum`` would split it 50/50. The fused update's backward makes the same choice.
     """
     _same_shape(values, returns)
     returns = returns.detach()
@@ -89,7 +106,7 @@ def value_loss(
     old_values = old_values.detach()
     values_clipped = old_values + torch.clamp(values - old_values, -clip_coef, clip_coef)
     clipped = (values_clipped - returns) ** 2
-    return 0.5 * torch.maximum(unclipped, clipped).mean()
+    return 0.5 * torch.where(clipped > unclipped, clipped, unclipped).mean()
 
 
 def categorical_entropy(logits: Tensor) -> Tensor:
