@@ -457,3 +457,144 @@ def test_bench_acting_smoke():
     for kind in ("discrete", "continuous"):
         for n in (8, 64):
             assert f"RATIO acting {kind} {n} envs: fused " in proc.stdout
+
+
+# ------------------------------------------------------------------ edge cases where the two paths must agree
+def _uniform_policy(dtype=torch.float32) -> ActorCritic:
+    """A discrete policy whose actor head is zero: every logp is exactly log(1/3) in both paths."""
+    policy = make_policy("discrete", "tanh", dtype)
+    with torch.no_grad():
+        policy.actor[-1].weight.zero_()
+        policy.actor[-1].bias.zero_()
+    return policy
+
+
+def test_constant_advantages_normalize_to_zero_in_both_paths():
+    """Seven float32 copies of 0.1 per minibatch (their mean is inexact): the normalized advantages are exactly 0
+    in both paths, so with no entropy bonus the actor gets no gradient and neither update moves it."""
+    s = settings(False, update_epochs=2, num_minibatches=4, ent_coef=0.0)
+    ref = make_policy("discrete", "tanh", torch.float32)
+    fused = copy.deepcopy(ref)
+    batch = make_batch(ref, 28, clipped=True)
+    batch.advantages = torch.full((28,), 0.1)
+    actor_before = [p.detach().clone() for p in ref.actor.parameters()]
+    critic_before = ref.critic[0].weight.detach().clone()
+    opt_r = torch.optim.Adam(ref.parameters(), lr=3e-3, eps=1e-5)
+    opt_f = FlatAdam(fused, lr=3e-3, eps=1e-5)
+    out_r = ppo_update(ref, opt_r, batch, s, torch.Generator().manual_seed(7))
+    out_f = fused_ppo_update(fused, opt_f, batch, s, torch.Generator().manual_seed(7))
+    assert out_r["minibatches"] == out_f["minibatches"] == 8
+    for net in (ref, fused):
+        for p, q in zip(net.actor.parameters(), actor_before):
+            assert torch.equal(p, q)
+        assert not torch.equal(net.critic[0].weight, critic_before)  # the critic did learn
+    assert out_r["policy_loss"] == out_f["policy_loss"] == 0.0
+
+
+def _tie_batch(policy: ActorCritic, clip: float, n: int = 64):
+    """Samples whose ratio is one float32 ulp below 1 - clip and whose advantage makes ``r*A`` round to exactly
+    ``(1 - clip)*A``: a tie of the surrogate's two branches with the ratio really outside the clip range.
+    Advantages of both signs: A < 0 is past the clip in the improving direction (no gradient), A > 0 is not."""
+    obs = torch.randn(n, policy.obs_dim, generator=torch.Generator().manual_seed(3))
+    actions = torch.arange(n) % 3
+    with torch.no_grad():
+        logp, _, values = policy.evaluate(obs, actions)
+    low = torch.tensor(1.0 - clip)
+    target = torch.nextafter(low, torch.tensor(0.0))
+    delta = torch.tensor(math.log(1.0 - clip))
+    for _ in range(100):  # walk delta by ulps until exp(logp - (logp - delta)) is the ulp below the bound
+        r = torch.exp(logp - (logp - delta))
+        if bool((r == target).all()):
+            break
+        delta = torch.nextafter(delta, torch.tensor(0.0) if bool((r < target).all()) else torch.tensor(-1.0))
+    assert bool((r == target).all()), "could not construct a ratio one ulp below the clip"
+    cand = torch.rand(20_000, generator=torch.Generator().manual_seed(4)) * 3 + 0.1
+    ties = cand[target * cand == low * cand][: n // 2]
+    assert ties.numel() == n // 2
+    adv = torch.cat([ties, -ties])
+    assert bool((r * adv == low * adv).all())
+    return Batch(obs, actions, logp - delta, values, adv, values + 1.0)
+
+
+def test_surrogate_ties_send_the_gradient_to_the_branch_the_clip_rule_picks_in_both_paths():
+    clip = 0.25
+    ref = _uniform_policy()
+    mb = _tie_batch(ref, clip)
+    s = settings(False, clip_coef=clip, ent_coef=0.0, vf_coef=0.0, norm_adv=False)
+    _, _, grads_r = autograd_grads(ref, mb, s)
+    _, _, grads_f = fused_grads(copy.deepcopy(ref), mb, s)
+    # Independent reference: A > 0 below the clip keeps the full r*A gradient, A < 0 past the clip gets none.
+    ref2 = copy.deepcopy(ref)
+    logp, _, _ = ref2.evaluate(mb.obs, mb.actions)
+    keep = (mb.advantages > 0).float()
+    loss = -(torch.exp(logp - mb.logp_old) * mb.advantages * keep).mean()
+    expected = torch.autograd.grad(loss, list(ref2.actor.parameters()))
+    actor = [i for i, (n, _) in enumerate(ref.named_parameters()) if n.startswith("actor")]
+    assert expected[-2].abs().max() > 0  # the head's weight (the zero head passes nothing further down)
+    for i, e in zip(actor, expected):
+        torch.testing.assert_close(grads_r[i], e, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grads_f[i], e, rtol=1e-5, atol=1e-7)
+
+
+def test_value_clip_ties_send_the_whole_gradient_to_the_unclipped_branch_in_both_paths():
+    """V = 0.5, V_old = -0.5, clip 0.25 (V_clipped = -0.25) and R = 0.125, all exact in float32: the squared
+    errors tie at 0.375^2. Both paths give the gradient of the unclipped loss (torch.maximum would give half)."""
+    clip = 0.25
+    ref = make_policy("discrete", "tanh", torch.float32)
+    with torch.no_grad():
+        ref.critic[-1].weight.zero_()
+        ref.critic[-1].bias.fill_(0.5)
+    mb = make_batch(ref, 32, clipped=False)
+    mb.values_old = torch.full((32,), -0.5)
+    mb.returns = torch.full((32,), 0.125)
+    s = settings(True, clip_coef=clip, ent_coef=0.0)
+    _, _, grads_r = autograd_grads(ref, mb, s)
+    _, _, grads_f = fused_grads(copy.deepcopy(ref), mb, s)
+    _, _, grads_unclipped = autograd_grads(copy.deepcopy(ref), mb, settings(False, clip_coef=clip, ent_coef=0.0))
+    critic = [i for i, (n, _) in enumerate(ref.named_parameters()) if n.startswith("critic")]
+    assert any(grads_unclipped[i].abs().max() > 0 for i in critic)
+    for i in critic:
+        torch.testing.assert_close(grads_r[i], grads_unclipped[i], rtol=0, atol=0)
+        torch.testing.assert_close(grads_f[i], grads_unclipped[i], rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("path", ["autograd", "fused"])
+def test_an_overflowing_ratio_skips_the_minibatch_in_both_paths(path):
+    """logp_new - logp_old = 100 > 88 overflows r to Inf in float32; with A > 0 the clipped loss stays finite,
+    but the step is not trustworthy: both paths skip it and leave every parameter untouched."""
+    policy = make_policy("discrete", "tanh", torch.float32)
+    batch = make_batch(policy, 16, clipped=False)
+    batch.logp_old[5] -= 100.0
+    batch.advantages = batch.advantages.abs() + 0.5
+    before = [p.detach().clone() for p in policy.parameters()]
+    s = settings(False, update_epochs=1, num_minibatches=1, norm_adv=False)
+    if path == "autograd":
+        out = ppo_update(policy, torch.optim.Adam(policy.parameters(), lr=1e-2), batch, s)
+    else:
+        out = fused_ppo_update(policy, FlatAdam(policy, lr=1e-2), batch, s)
+    assert out["skipped_minibatches"] == 1.0 and out["minibatches"] == 0.0
+    for p, q in zip(policy.parameters(), before):
+        assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------ KL early stopping's 1.5 x target_kl
+@pytest.mark.parametrize("path", ["autograd", "fused"])
+@pytest.mark.parametrize("kl_over_target,stops", [(1.25, False), (1.75, True)])
+def test_kl_early_stop_fires_above_1_5_target_before_the_step(path, kl_over_target, stops):
+    """Every logp_old is 0.1 below logp_new, so the first minibatch's approx KL (k3) is e^0.1 - 1.1 before any
+    step. target_kl is set so that this KL is 1.25x or 1.75x the target: only the second stops (a factor of 1.0
+    would stop both, 2.0 neither), and the stopping minibatch is not applied: nothing moves."""
+    policy = make_policy("discrete", "tanh", torch.float64)
+    batch = make_batch(policy, 64, clipped=False)
+    batch.logp_old = batch.logp_old - 0.1
+    kl0 = math.expm1(0.1) - 0.1
+    s = settings(False, update_epochs=1, num_minibatches=1, target_kl=kl0 / kl_over_target)
+    before = [p.detach().clone() for p in policy.parameters()]
+    if path == "autograd":
+        out = ppo_update(policy, torch.optim.Adam(policy.parameters(), lr=1e-3), batch, s)
+    else:
+        out = fused_ppo_update(policy, FlatAdam(policy, lr=1e-3), batch, s)
+    assert out["early_stopped"] == float(stops)
+    assert out["minibatches"] == (0.0 if stops else 1.0)
+    moved = any(not torch.equal(p, q) for p, q in zip(policy.parameters(), before))
+    assert moved == (not stops)

@@ -25,7 +25,7 @@ from .objectives import (
 )
 from .policies import ActorCritic
 
-__all__ = ["Batch", "UpdateSettings", "ppo_update", "minibatch_loss", "STAT_NAMES"]
+__all__ = ["Batch", "UpdateSettings", "ppo_update", "minibatch_loss", "kl_stops", "KL_STOP_FACTOR", "STAT_NAMES"]
 
 # Per-minibatch statistics accumulated on the device and read once per update.
 STAT_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "approx_kl_k1", "clipfrac", "grad_norm")
@@ -68,6 +68,15 @@ class UpdateSettings:
     kl_beta: float = 1.0
 
 
+# Early stopping fires when a minibatch's approx KL exceeds this multiple of target_kl (SB3's margin).
+KL_STOP_FACTOR = 1.5
+
+
+def kl_stops(approx_kl: float, target_kl: float | None) -> bool:
+    """KL early stopping's test, shared by both update paths: ``approx_kl > KL_STOP_FACTOR * target_kl``."""
+    return target_kl is not None and approx_kl > KL_STOP_FACTOR * target_kl
+
+
 def minibatch_loss(policy: ActorCritic, mb: Batch, s: UpdateSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """Total loss of one minibatch and its signed terms and diagnostics (all scalar tensors)."""
     logp_new, entropy, values = policy.evaluate(mb.obs, mb.actions)
@@ -106,8 +115,18 @@ def ppo_update(policy: ActorCritic, optimizer: torch.optim.Optimizer, batch: Bat
                generator: torch.Generator | None = None) -> dict[str, float]:
     """Run the update's epochs over ``batch``; return mean diagnostics and counters as floats.
 
-    After every minibatch: a non-finite loss or gradient skips that minibatch (no NaN reaches the weights), and
-    when ``target_kl`` is set, ``approx_kl > 1.5 * target_kl`` stops the remaining epochs (early stopping).
+    Guards on every minibatch, checked after its forward and backward pass and before its optimizer step:
+
+    * a non-finite loss, gradient norm or approx KL skips the minibatch (no NaN reaches the weights). The KL
+      counts because an overflowing ratio (``logp_new - logp_old > 88`` in float32) can leave the clipped loss
+      finite while ``r`` itself is Inf;
+    * with ``target_kl`` set, KL early stopping as in Stable-Baselines3: when the minibatch's approx KL (k3 of
+      pi_theta vs pi_old, measured on its own forward pass) exceeds ``1.5 * target_kl``, that minibatch is NOT
+      applied and the remaining minibatches and epochs are dropped. The 1.5 margin (SB3's) lets the KL
+      fluctuate around its target without stopping every update.
+
+    The diagnostics are means over the minibatches that were applied; ``minibatches`` counts them.
+    ``fused.fused_ppo_update`` implements exactly the same guards.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     device = batch.obs.device
@@ -127,17 +146,19 @@ def ppo_update(policy: ActorCritic, optimizer: torch.optim.Optimizer, batch: Bat
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
             # One host read per minibatch serves both guards (NaN skip and KL early stop).
             loss_v, grad_v, kl_v = torch.stack([loss.detach(), grad_norm, stats["approx_kl"]]).tolist()
-            if not (math.isfinite(loss_v) and math.isfinite(grad_v)):
+            if not (math.isfinite(loss_v) and math.isfinite(grad_v) and math.isfinite(kl_v)):
                 n_skipped += 1
                 optimizer.zero_grad(set_to_none=False)
                 continue
+            if kl_stops(kl_v, s.target_kl):
+                # Stop BEFORE this step: the minibatch that left the trust region is not applied.
+                optimizer.zero_grad(set_to_none=False)
+                early_stopped = True
+                break
             optimizer.step()
             stats["grad_norm"] = grad_norm.detach()
             totals += torch.stack([stats[k] for k in STAT_NAMES])
             n_done += 1
-            if s.target_kl is not None and kl_v > 1.5 * s.target_kl:
-                early_stopped = True
-                break
         if early_stopped:
             break
     means = (totals / max(n_done, 1)).tolist() if n_done else [float("nan")] * len(STAT_NAMES)
