@@ -42,6 +42,21 @@ def _as_failure(report, what: str) -> None:
                        f"turns skips into failures: {_skip_reason(report.longrepr)}")
 
 
+# Parametrized values that need an optional package: (parameter, value) -> (module, extra).
+_OPTIONAL_PARAMS = {("vector_mode", "envpool"): ("envpool", "envpool")}
+
+
+def pytest_collection_modifyitems(config, items):
+    # A test parametrized over vector modes runs its envpool case only where the envpool extra is installed.
+    import importlib.util
+
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for (name, value), (module, extra) in _OPTIONAL_PARAMS.items():
+            if params.get(name) == value and importlib.util.find_spec(module) is None:
+                item.add_marker(pytest.mark.skip(reason=f"{name}={value} needs pip install -e '.[{extra}]'"))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "allow_skip: this test may skip even under PPOKIT_REQUIRE_ALL=1 (hardware)")
 

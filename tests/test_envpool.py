@@ -11,6 +11,9 @@ from ppokit.envs import make_vec_env
 from ppokit.envs.state import capture_env_state
 from ppokit.trainer import resume, train
 
+# The whole module needs the optional package; without it every test here skips with this reason.
+pytest.importorskip("envpool", reason="the envpool backend needs pip install -e '.[envpool]'")
+
 torch.set_num_threads(1)
 
 

@@ -76,3 +76,23 @@ def test_with_the_variable_every_skip_fails_except_allow_skip(suite, monkeypatch
 def test_zero_means_off(suite, monkeypatch):
     monkeypatch.setenv("PPOKIT_REQUIRE_ALL", "0")
     suite.runpytest().assert_outcomes(passed=1, skipped=4, xfailed=1)
+
+
+def test_a_parametrized_envpool_case_skips_without_envpool_and_fails_under_the_variable(pytester, monkeypatch):
+    # The real hook, with the optional module swapped for one that is surely absent (envpool may be installed here).
+    text = CONFTEST.read_text(encoding="utf-8")
+    assert '("envpool", "envpool")}' in text
+    pytester.makeconftest(text.replace('("envpool", "envpool")}', '("ppokit_no_such_module_xyz", "envpool")}'))
+    pytester.makepyfile(test_modes="""
+import pytest
+
+@pytest.mark.parametrize("vector_mode", ["sync", "envpool"])
+def test_mode(vector_mode):
+    pass
+""")
+    monkeypatch.delenv("PPOKIT_REQUIRE_ALL", raising=False)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*vector_mode=envpool needs pip install -e '.[[]envpool]'*"])
+    monkeypatch.setenv("PPOKIT_REQUIRE_ALL", "1")
+    pytester.runpytest().assert_outcomes(passed=1, errors=1)  # a skip marker acts in setup: an error
