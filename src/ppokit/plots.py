@@ -12,7 +12,11 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["objective_figure", "plot_curves", "read_metrics"]
+__all__ = ["objective_figure", "plot_curves", "read_metrics", "run_title", "PLAIN_TEXT"]
+
+# Text properties for every string that comes from a run (env ids, alert names and messages, titles): drawn as
+# plain text, never parsed as mathtext or LaTeX, so "$\undefinedmacro{x$" in an alert is shown, not a crash.
+PLAIN_TEXT = {"parse_math": False, "usetex": False}
 
 # Thresholds drawn on the diagnostics panel (see README, "The math"): approx KL above ~0.02 means large policy
 # steps for the usual clip of 0.2, above ~0.1 the update is off the trust region; a clip fraction of 0.1-0.3 is
@@ -141,6 +145,25 @@ def _alert_marks(alerts: Iterable[Any] | None) -> list[tuple[float, str]]:
     return marks
 
 
+def run_title(run_dir: str | os.PathLike) -> str:
+    """``CartPole-v1 · ppo · seed 1 · <run dir name>`` from the run's ``config.toml`` (prefixed ``UNSAFE run:``
+    when the run is stamped unsafe); just the directory's name when there is no readable config."""
+    import tomllib
+
+    run_dir = os.path.abspath(os.fspath(run_dir))
+    name = os.path.basename(run_dir) or "training run"
+    config: dict[str, Any] = {}
+    try:
+        with open(os.path.join(run_dir, "config.toml"), "rb") as fh:
+            config = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        pass
+    parts = [str(config[k]) if k != "seed" else f"seed {config[k]}" for k in ("env_id", "algo", "seed")
+             if k in config]
+    unsafe = bool(config.get("unsafe")) or os.path.exists(os.path.join(run_dir, "UNSAFE"))
+    return ("UNSAFE run: " if unsafe else "") + " · ".join(parts + [name])
+
+
 def plot_curves(
     metrics_csv_path: str | os.PathLike,
     out_png: str | os.PathLike,
@@ -152,7 +175,8 @@ def plot_curves(
     Panels, each against ``global_step`` (environment steps): episodic return, approx KL (lines at 0.02 and
     0.1), clip fraction (healthy band 0.1-0.3 shaded) and explained variance. Empty or NaN cells are skipped,
     a missing column leaves its panel with a "no data" note. ``alerts`` (see ``_alert_marks``) are drawn as
-    vertical lines on every panel. ``title`` (default: the run directory's name) heads the figure.
+    vertical lines on every panel. ``title`` (default: ``run_title`` of the directory holding the CSV: env id,
+    algo, seed, run dir name) heads the figure. Every run-supplied string is drawn as plain text (``PLAIN_TEXT``).
     """
     columns = read_metrics(metrics_csv_path)
     if "global_step" not in columns:
@@ -162,7 +186,8 @@ def plot_curves(
 
     fig = _new_figure(figsize=(10.0, 7.0), layout="constrained")
     axes = fig.subplots(2, 2, sharex=True)
-    for ax, (column, title) in zip(axes.flat, _PANELS):
+    # (The panel names are not ``title``: reusing that name once made the figure's title "explained variance".)
+    for ax, (column, panel) in zip(axes.flat, _PANELS):
         xs, ys = _finite_xy(steps, columns.get(column, []))
         if xs:
             ax.plot(xs, ys, color="tab:blue", lw=1.4, marker="." if len(xs) < 30 else None)
@@ -182,12 +207,13 @@ def plot_curves(
             ax.axvline(step, color="tab:red", alpha=0.5, lw=0.9)
             if label and column == _PANELS[0][0]:
                 ax.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                            va="top", ha="right", fontsize=7, color="tab:red")
-        ax.set_title(title)
+                            va="top", ha="right", fontsize=7, color="tab:red", **PLAIN_TEXT)
+        ax.set_title(panel)
         ax.set_ylabel(column)
         ax.grid(alpha=0.25)
     for ax in axes[1]:
         ax.set_xlabel("environment steps")
-    fig.suptitle(title if title is not None
-                 else os.path.basename(os.path.dirname(os.path.abspath(metrics_csv_path))) or "training run")
+    if title is None:
+        title = run_title(os.path.dirname(os.path.abspath(metrics_csv_path)))
+    fig.suptitle(title, **PLAIN_TEXT)
     return _save(fig, out_png)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from .doctor import Diagnosis, diagnose, load_run
-from .plots import CLIPFRAC_BAND, KL_ALARM, KL_WARN, _new_figure
+from .plots import CLIPFRAC_BAND, KL_ALARM, KL_WARN, PLAIN_TEXT, _new_figure
 
 __all__ = ["build_report", "write_report", "CURVES"]
 
@@ -91,7 +91,8 @@ def _timeline(alerts: list[dict], max_step: float) -> str:
     for a in alerts:
         ax.scatter([float(a.get("step", 0))], [names.index(str(a.get("name")))], marker="v", s=50,
                    color=_LEVEL_COLORS.get(a.get("level"), "tab:purple"))
-    ax.set_yticks(range(len(names)), names) if names else ax.set_yticks([])
+    # Alert names come from the run's files: plain text, so a "$...$" in one is shown rather than parsed.
+    ax.set_yticks(range(len(names)), names, **PLAIN_TEXT) if names else ax.set_yticks([])
     if not names:
         ax.text(0.5, 0.5, "no alerts", transform=ax.transAxes, ha="center", va="center", color="0.4")
     ax.set_xlim(0, max(max_step, 1.0))
@@ -106,10 +107,27 @@ def _esc(x) -> str:
     return html.escape(str(x))
 
 
+def _clean_alerts(alerts: list) -> list[dict]:
+    """The alert records fit to draw: objects whose step is a finite number (a hand-edited or damaged
+    alerts.jsonl may hold lists, strings, or steps like "abc"; those are left out rather than crash the report)."""
+    clean = []
+    for a in alerts:
+        if not isinstance(a, dict):
+            continue
+        try:
+            step = float(a.get("step", 0))
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(step):
+            clean.append({**a, "step": step})
+    return clean
+
+
 def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str:
     """The report of ``run_dir`` as one HTML string (no scripts, no external resources)."""
     run = load_run(run_dir)
     diag = diagnosis or diagnose(run_dir)
+    alerts = _clean_alerts(run.alerts)
     steps = run.col("global_step")
     max_step = max([s for s in steps if math.isfinite(s)] or [0.0])
     env_id = run.config.get("env_id", "?")
@@ -144,7 +162,7 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
     # Curves
     parts.append('<h2 id="curves">Training curves</h2><div class="plots">')
     for column, title, ylabel in CURVES:
-        img = _curve(steps, run.col(column), column, title, ylabel, run.alerts)
+        img = _curve(steps, run.col(column), column, title, ylabel, alerts)
         slug = column.replace("/", "-")
         parts.append(f'<figure class="plot" id="plot-{slug}"><img alt="{_esc(title)}" '
                      f'src="data:image/png;base64,{img}"><figcaption>{_esc(title)} ({_esc(column)})</figcaption></figure>')
@@ -153,12 +171,12 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
     # Alerts
     parts.append('<h2 id="alerts">Alerts</h2>')
     parts.append(f'<figure class="plot" id="plot-alerts"><img alt="alert timeline" style="width:100%" '
-                 f'src="data:image/png;base64,{_timeline(run.alerts, max_step)}"></figure>')
-    if run.alerts:
+                 f'src="data:image/png;base64,{_timeline(alerts, max_step)}"></figure>')
+    if alerts:
         parts.append("<table><tr><th>step</th><th>level</th><th>name</th><th>message</th></tr>"
                      + "".join(f"<tr><td>{int(a.get('step', 0)):,}</td><td>{_esc(a.get('level'))}</td>"
                                f"<td>{_esc(a.get('name'))}</td><td>{_esc(a.get('message'))}</td></tr>"
-                               for a in run.alerts) + "</table>")
+                               for a in alerts) + "</table>")
     else:
         parts.append("<p>No alerts were raised.</p>")
 

@@ -24,5 +24,9 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (UnicodeDecodeError, ValueError) as exc:
+        # A metrics.csv that is not text, or has no global_step column: say which run, not a traceback.
+        print(f"error: cannot read the run in {args.run_dir}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0
