@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ppokit.monitor import THRESHOLDS, Monitor
+from ppokit.monitor import CLIPFRAC_NEVER_FIRES, KL_NEGLIGIBLE, THRESHOLDS, Monitor
 
 
 def healthy(i: int = 0, **over) -> dict:
@@ -65,14 +65,52 @@ def test_kl_thresholds(kl, expected):
 
 
 def test_clip_never_fires_after_patience_only():
-    seq = [healthy(i, **{"diag/clipfrac": 0.0}) for i in range(6)]
+    seq = [healthy(i, **{"diag/clipfrac": 0.0, "diag/approx_kl": 1e-8}) for i in range(6)]
     out = names(Monitor(), seq)
     assert all("clip_never_fires" not in o for o in out[:4]) and "clip_never_fires" in out[4]
 
 
+def test_a_zero_clip_fraction_with_a_moving_policy_is_healthy():
+    # CartPole with the library defaults: clip fraction exactly 0 on every update while the return climbs and the
+    # KL is 1e-5..4e-4. The old rule (clip fraction < 0.01 alone) fired on it every 10 updates.
+    seq = [healthy(i, **{"diag/clipfrac": 0.0, "diag/approx_kl": kl}) for i, kl in enumerate([2e-4, 1e-5, 3e-6] * 20)]
+    assert "clip_never_fires" not in fired(Monitor(), seq)
+
+
+@pytest.mark.parametrize("clipfrac,kl,fires", [
+    (0.0, 0.0, True),
+    (0.99 * CLIPFRAC_NEVER_FIRES, 0.99 * KL_NEGLIGIBLE, True),
+    (1.01 * CLIPFRAC_NEVER_FIRES, 0.0, False),  # the clip fires a little: the policy moves
+    (0.005, 1e-8, False),  # the old 0.01 threshold fired here
+    (0.0, 1.01 * KL_NEGLIGIBLE, False),
+    (0.0, math.nan, False),  # no KL measured: no evidence the policy stands still
+])
+def test_clip_never_fires_needs_clip_fraction_and_kl_both_negligible(clipfrac, kl, fires):
+    seq = [healthy(i, **{"diag/clipfrac": clipfrac, "diag/approx_kl": kl}) for i in range(5)]
+    assert ("clip_never_fires" in fired(Monitor(), seq)) == fires
+    assert THRESHOLDS["clipfrac_low"] == CLIPFRAC_NEVER_FIRES == 1e-3 and THRESHOLDS["kl_negligible"] == 1e-6
+
+
+def test_clip_never_fires_needs_the_condition_to_persist():
+    still = {"diag/clipfrac": 0.0, "diag/approx_kl": 1e-8}
+    # One update of real movement every 4 updates: never 5 in a row.
+    seq = [healthy(i, **(still if i % 4 else {"diag/clipfrac": 0.0, "diag/approx_kl": 1e-4})) for i in range(40)]
+    assert "clip_never_fires" not in fired(Monitor(), seq)
+
+
+def test_clip_never_fires_uses_the_kl_after_the_update_when_logged():
+    # A2C's in-update KL is taken before its only step (always 0); the KL after the update shows the movement.
+    a2c = {"diag/clipfrac": 0.0, "diag/approx_kl": 0.0}
+    moving = [healthy(i, **a2c, **{"diag/approx_kl_after": 3e-4}) for i in range(10)]
+    assert "clip_never_fires" not in fired(Monitor(), moving)
+    stuck = [healthy(i, **a2c, **{"diag/approx_kl_after": 0.0}) for i in range(10)]
+    assert "clip_never_fires" in fired(Monitor(), stuck)
+
+
 def test_clip_near_zero_in_annealed_tail_is_expected():
     seq = [healthy(i, **{"charts/learning_rate": 1e-3 * (1 - i / 20)}) for i in range(10)]
-    seq += [healthy(i, **{"charts/learning_rate": 1e-3 * (1 - i / 20), "diag/clipfrac": 0.0}) for i in range(19, 20)] * 6
+    seq += [healthy(i, **{"charts/learning_rate": 1e-3 * (1 - i / 20), "diag/clipfrac": 0.0, "diag/approx_kl": 0.0})
+            for i in range(19, 20)] * 6
     assert "clip_never_fires" not in fired(Monitor(), seq)
 
 
@@ -149,3 +187,17 @@ def test_rate_limit_per_rule():
 def test_unknown_threshold_is_rejected():
     with pytest.raises(ValueError, match="kl_wran"):
         Monitor(thresholds={"kl_wran": 0.1})
+
+
+@pytest.mark.parametrize("learning_rate,expected", [(2.5e-4, []), (0.0, [("clip_never_fires", "alert")])])
+def test_clip_never_fires_on_real_cartpole_runs_only_when_the_policy_cannot_move(tmp_path, learning_rate, expected):
+    # The library defaults on CartPole: clip fraction 0 on every update (the old rule fired at update 5), KL ~1e-4.
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import train
+
+    cfg = PPOConfig(env_id="CartPole-v1", total_timesteps=8 * 512, learning_rate=learning_rate, tensorboard=False,
+                    run_dir=str(tmp_path / "run"))
+    run = train(cfg, console_enabled=False)
+    assert max(m["diag/clipfrac"] for m in run.metrics) < 0.01
+    got = [(a["name"], a["level"]) for a in run.alerts if a["name"] == "clip_never_fires"]
+    assert got == expected

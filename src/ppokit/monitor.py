@@ -12,8 +12,12 @@ Rules (thresholds in ``THRESHOLDS``):
   across ``reward_patience`` updates and unchanged since the start. A constant per-step reward alone is fine
   (CartPole's +1): episode lengths, hence returns, still carry the signal.
 - ``kl_high`` (warn, KL > 0.02) / ``kl_blowup`` (alert, KL > 0.1).
-- ``clip_never_fires``: clip fraction < 0.01 for ``clipfrac_patience`` updates, except in the tail of an
-  annealed learning-rate schedule (LR below 10% of its start), where a vanishing clip fraction is expected.
+- ``clip_never_fires``: the policy does not move: for ``clipfrac_patience`` updates the clip fraction is below
+  ``CLIPFRAC_NEVER_FIRES`` (1e-3) AND approx KL is below ``KL_NEGLIGIBLE`` (1e-6), except in the tail of an
+  annealed learning-rate schedule (LR below 10% of its start), where a vanishing step is expected. A clip
+  fraction of exactly 0 alone is common in healthy runs (CartPole with the library defaults: clip fraction 0 on
+  every update while the return climbs, KL 1e-5 to 4e-4), so the clip fraction alone cannot tell "small steps"
+  from "no steps"; a KL under 1e-6 (log-ratios of ~0.1%) can. With a learning rate of 0 it is an alert.
 - ``clipfrac_high``: clip fraction > 0.4 for ``clipfrac_patience`` consecutive updates (drift).
 - ``critic_not_learning``: explained variance never above ``ev_min`` in the first ``ev_patience`` updates (or
   any later window of that length, if it has never risen yet).
@@ -29,12 +33,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Monitor", "Alert", "THRESHOLDS"]
+__all__ = ["Monitor", "Alert", "THRESHOLDS", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE"]
+
+# clip_never_fires, calibrated on short runs (KL per update outside the annealed tail): the cartpole, acrobot,
+# pendulum and gridworld presets never go 5 updates below 1e-5 (acrobot 2e-5, gridworld 5e-5 at the lowest) and the
+# library defaults on CartPole (clip fraction 0 on every update) stay at 1e-5 - 4e-4 while the return climbs; lr = 0
+# gives exactly 0, lr = 1e-7 below 1e-10. The defaults do fire where the policy stalls: on Acrobot at -500 (KL 1e-7)
+# and on CartPole once the return stops near 250 with a KL of 1e-8 (60k steps). Both must hold for
+# clipfrac_patience consecutive updates.
+CLIPFRAC_NEVER_FIRES = 1e-3  # clip fraction below this: the clip never fires
+KL_NEGLIGIBLE = 1e-6  # approx KL below this: pi_theta is pi_old to ~0.1% per action, the policy does not move
 
 THRESHOLDS = {
     "kl_warn": 0.02,  # mean approx KL above this: the update is moving pi_theta far from pi_old
     "kl_alert": 0.1,  # above this: the trust region is blown
-    "clipfrac_low": 0.01,  # clip never fires
+    "clipfrac_low": CLIPFRAC_NEVER_FIRES,  # clip never fires (with kl_negligible)
+    "kl_negligible": KL_NEGLIGIBLE,  # ... and the policy does not move
     "clipfrac_high": 0.4,  # sustained: over-fitting the rollout (drift)
     "clipfrac_patience": 5,  # updates a clip-fraction condition must persist
     "lr_tail_frac": 0.1,  # an annealed LR below this fraction of its start: a ~0 clip fraction is expected
@@ -184,22 +198,31 @@ class Monitor:
             return
         clipfrac = recent[-1]
         if all(c < t["clipfrac_low"] for c in recent):
+            kls = self._recent_kl(p)
             if _finite(lr) and lr == 0.0:
                 self._fire(out, update, Alert("alert", "clip_never_fires",
                                               f"clip fraction < {t['clipfrac_low']} for {p} updates and the learning "
                                               "rate is 0: the policy cannot change; set learning_rate > 0",
-                                              {"clipfrac": clipfrac, "learning_rate": lr}))
-            elif not (self._first_lr and _finite(lr) and lr < t["lr_tail_frac"] * self._first_lr):
+                                              {"clipfrac": clipfrac, "approx_kl": kls[-1], "learning_rate": lr}))
+            elif (all(_finite(k) and k < t["kl_negligible"] for k in kls)
+                  and not (self._first_lr and _finite(lr) and lr < t["lr_tail_frac"] * self._first_lr)):
                 self._fire(out, update, Alert("warn", "clip_never_fires",
-                                              f"clip fraction < {t['clipfrac_low']} for {p} updates: the clip never "
-                                              "fires; if the return is flat, check rewards/advantages and grad norm, "
+                                              f"clip fraction < {t['clipfrac_low']} and approx KL < "
+                                              f"{t['kl_negligible']:g} for {p} updates: the policy does not move; "
+                                              "if the return is flat, check rewards/advantages and grad norm, "
                                               "then raise learning_rate or update_epochs",
-                                              {"clipfrac": clipfrac, "learning_rate": lr}))
+                                              {"clipfrac": clipfrac, "approx_kl": kls[-1], "learning_rate": lr}))
         if all(c > t["clipfrac_high"] for c in recent):
             self._fire(out, update, Alert("alert", "clipfrac_high",
                                           f"clip fraction > {t['clipfrac_high']} for {p} updates: over-fitting the "
                                           "rollout (drift); lower learning_rate or update_epochs",
                                           {"clipfrac": clipfrac}))
+
+    def _recent_kl(self, n: int) -> list[float]:
+        """The last ``n`` updates' KL of pi_theta after the update against pi_old when logged (A2C's in-update KL is
+        taken before its only step, hence always 0), else the in-update approx KL."""
+        return [_num(h, "diag/approx_kl_after") if _finite(_num(h, "diag/approx_kl_after"))
+                else _num(h, "diag/approx_kl") for h in self.history[-n:]]
 
     def _critic(self, out: list[Alert], update: int, m: dict) -> None:
         t = self.t
