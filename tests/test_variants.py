@@ -60,7 +60,15 @@ def _tiny_config(tmp_path, algo, updates=4, **kw):
 def test_trainer_applies_beta_rule_to_measured_kl(tmp_path, monkeypatch):
     """Wire-up: the trainer feeds each post-update KL to the rule, uses the new beta in the next update, logs it."""
     kls = iter([0.05, 0.05, 0.001, 0.012, 0.03])
-    monkeypatch.setattr(Trainer, "batch_kl", lambda self, batch: next(kls))
+    per_update: dict[int, float] = {}
+
+    def fake_batch_kl(self, batch):
+        # One measured KL per update (the logged diag/approx_kl_after reads batch_kl too, after the beta rule).
+        if self.global_step not in per_update:
+            per_update[self.global_step] = next(kls)
+        return per_update[self.global_step]
+
+    monkeypatch.setattr(Trainer, "batch_kl", fake_batch_kl)
     used = []
     real_update = trainer_mod.ppo_update
 
@@ -256,6 +264,48 @@ def test_a2c_takes_exactly_one_step_per_rollout_on_the_whole_batch(tmp_path, mon
     assert calls["mb_sizes"] == calls["batch_sizes"]  # each loss saw the whole batch, once
     assert [m["diag/minibatches"] for m in run.metrics] == [1.0] * 5
     assert [m["diag/epochs_run"] for m in run.metrics] == [1.0] * 5
+
+
+def test_a2c_logs_the_kl_its_step_moved_the_policy_and_compare_summarizes_that(tmp_path):
+    """A2C's only step is taken at ratio 1, so its per-minibatch ``diag/approx_kl`` is 0 on every update;
+    ``diag/approx_kl_after`` (k3 of the updated policy vs pi_old on the whole batch) is what it moved, and the
+    compare/sweep summary's max KL and 'KL > 0.1' are read from it."""
+    from ppokit import experiments as ex
+
+    cfg = _tiny_config(tmp_path, "a2c", updates=3)
+    run = train(cfg, console_enabled=False)
+    assert all(m["diag/approx_kl"] == 0.0 for m in run.metrics)
+    after = [m["diag/approx_kl_after"] for m in run.metrics]
+    assert all(k > 0 for k in after), after
+    (run.run_dir / ex.DONE_NAME).write_text("{}")
+    spec = ex.RunSpec("a2c", {"algo": "a2c"}, cfg.seed, run.run_dir, cfg)
+    (res,) = ex.load_results([spec])
+    assert res.seeds[0].kl == pytest.approx(after, rel=1e-6)
+    (row,) = ex.summarize([res], threshold=None)
+    assert row["max_kl"] == pytest.approx(max(after), rel=1e-6) and row["max_kl"] > 0
+    # A run that moved the policy past 0.1 in one update counts as blown up, whatever its per-minibatch KL says.
+    res.seeds[0].kl = [0.0, 0.25, 0.0]
+    (row,) = ex.summarize([res], threshold=None)
+    assert row["kl_exploded"] is True and row["kl_exploded_seeds"] == 1
+
+
+def test_approx_kl_after_is_logged_for_every_algorithm_and_matches_batch_kl(tmp_path, monkeypatch):
+    seen = []
+    real = Trainer.batch_kl
+
+    def spy(self, batch):
+        kl = real(self, batch)
+        seen.append(kl)
+        return kl
+
+    monkeypatch.setattr(Trainer, "batch_kl", spy)
+    for algo in ("ppo", "ppo-kl"):
+        seen.clear()
+        run = train(_tiny_config(tmp_path, algo, updates=2), console_enabled=False)
+        logged = [m["diag/approx_kl_after"] for m in run.metrics]
+        assert all(k > 0 for k in logged)
+        # ppo-kl's beta rule measures the same quantity; it is the same number
+        assert all(k in seen for k in logged)
 
 
 def test_ppo_step_count_control(tmp_path, monkeypatch):

@@ -18,7 +18,10 @@ Statistics (the rules the table and figures use):
   counting as infinitely slow ("never" when the median is).
 * "stability" of a seed: the standard deviation (ddof 0) of its per-update episodic return over the last 20% of
   updates. "no clipping needed": the fraction of updates whose ``diag/clipfrac`` is exactly 0.
-* "max KL": the largest per-update ``diag/approx_kl`` of any seed; ``kl_exploded``: some seed crossed 0.1.
+* "max KL": the largest per-update ``diag/approx_kl_after`` of any seed (k3 KL of the policy after the update vs
+  the rollout's policy, on the whole batch); ``kl_exploded``: some seed crossed 0.1. The per-minibatch
+  ``diag/approx_kl`` is measured before each step, so it understates the update's move and is always 0 for
+  A2C's single step; runs written before ``approx_kl_after`` existed fall back to it.
 """
 
 from __future__ import annotations
@@ -411,7 +414,7 @@ class SeedCurves:
     steps: list[float]
     returns: list[float]
     episodes: list[float]
-    kl: list[float]
+    kl: list[float]  # diag/approx_kl_after: the KL each update moved the policy by
     clipfrac: list[float]
     kl_beta: list[float]
 
@@ -439,8 +442,9 @@ def load_results(specs: Sequence[RunSpec]) -> list[SettingResult]:
         cols = read_metrics(path)
         n = len(cols.get("global_step", []))
         nan = [math.nan] * n
+        kl = cols.get("diag/approx_kl_after") or cols.get("diag/approx_kl", nan)
         res.seeds.append(SeedCurves(spec.seed, cols["global_step"], cols.get("charts/episodic_return", nan),
-                                    cols.get("charts/episodes", nan), cols.get("diag/approx_kl", nan),
+                                    cols.get("charts/episodes", nan), kl,
                                     cols.get("diag/clipfrac", nan), cols.get("charts/kl_beta", nan)))
     return list(out.values())
 
@@ -565,8 +569,9 @@ def _per_update(results: Sequence[SettingResult], attr: str, path: Path, title: 
 
 
 def plot_kl(results: Sequence[SettingResult], path: Path, title: str) -> Path:
-    """Mean approx KL (k3) per update per setting (log scale, 95% CI band), lines at 0.02 and 0.1."""
-    return _per_update(results, "kl", path, title, "approx KL per update (k3, log scale)", True,
+    """Mean KL of each update (k3, after the update vs before, whole batch; log scale, 95% CI band), lines at
+    0.02 and 0.1."""
+    return _per_update(results, "kl", path, title, "KL moved per update (k3 after vs before, log scale)", True,
                        [(KL_WARN, "tab:orange", f"{KL_WARN:g} (large step)"),
                         (KL_EXPLODED, "tab:red", f"{KL_EXPLODED:g} (blown up)")])
 

@@ -382,7 +382,8 @@ class Trainer:
                               target_kl=None if a2c else cfg.target_kl, kl_beta=self.kl_beta)
 
     def batch_kl(self, batch: Batch) -> float:
-        """k3 approx KL(pi_old || pi_theta) on the whole batch after the update."""
+        """k3 approx KL(pi_old || pi_theta) on the whole batch after the update (``diag/approx_kl_after``; one
+        forward pass without autograd, once per update)."""
         from .objectives import approx_kl_k3
 
         with torch.inference_mode():
@@ -411,6 +412,9 @@ class Trainer:
             "diag/entropy": stats["entropy"],
             "diag/approx_kl": stats["approx_kl"],
             "diag/approx_kl_k1": stats["approx_kl_k1"],
+            # diag/approx_kl is measured on each minibatch's forward pass, before its step (0 for a2c's only
+            # step); this one is the whole update's move: k3 of pi_theta after it vs pi_old, on the whole batch.
+            "diag/approx_kl_after": self.batch_kl(batch),
             "diag/clipfrac": stats["clipfrac"],
             "diag/explained_variance": ev,
             "diag/grad_norm": stats["grad_norm"],
