@@ -59,6 +59,8 @@ _LEVEL_STYLES = {
     "critical": "bold white on red",
 }
 _SEVERE_LEVELS = ("alert", "error", "critical")
+# The scalars TensorBoard's HPARAMS tab shows beside each run's hyperparameters.
+_HPARAM_METRICS = ("charts/episodic_return", "diag/approx_kl", "diag/clipfrac", "diag/explained_variance")
 
 
 def _as_float(value: Any) -> float:
@@ -175,12 +177,14 @@ class CSVSink:
 class TensorBoardSink:
     """Scalars and text to TensorBoard event files under ``log_dir``."""
 
-    def __init__(self, log_dir: str | os.PathLike, flush_secs: int = 10):
+    def __init__(self, log_dir: str | os.PathLike, flush_secs: int = 10, purge_step: int | None = None):
+        """``purge_step``: a resumed run's first new step; TensorBoard then hides the events at and after it that
+        the killed run wrote past its checkpoint, so no step is shown twice."""
         # Imported here so runs without TensorBoard do not pay for loading it.
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs, purge_step=purge_step)
         self._closed = False
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -197,6 +201,20 @@ class TensorBoardSink:
     def text(self, step: int, tag: str, text: str) -> None:
         """Add a markdown text entry under ``tag``."""
         self._writer.add_text(tag, text, global_step=int(step))
+
+    def hparams(self, step: int, config: dict[str, Any], metrics: Iterable[str] = ()) -> None:
+        """The run's hyperparameters, twice: a markdown table under the text tag ``hparams`` (readable in the
+        TEXT tab) and the HPARAMS tab's session record, which compares runs against ``metrics`` (scalar tags)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        rows = "".join(f"| {k} | {str(v).replace('|', '&#124;')} |\n" for k, v in config.items())
+        self.text(step, "hparams", "| field | value |\n|---|---|\n" + rows)
+        # The plugin takes numbers, strings and bools; lists and None are shown as text.
+        plain = {k: v if type(v) in (int, float, str, bool) else str(v) for k, v in config.items()}
+        # Written into this run's own event file (add_hparams would start a separate run dir for them).
+        experiment, session_start, _ = hparams(plain, dict.fromkeys(metrics, 0.0))
+        for summary in (experiment, session_start):
+            self._writer.file_writer.add_summary(summary, int(step))
 
     def flush(self) -> None:
         """Force pending events to disk."""
@@ -378,7 +396,11 @@ class MetricsLogger:
         tensorboard: bool = True,
         console: bool = True,
         console_obj: Console | None = None,
+        hparams: dict[str, Any] | None = None,
+        resume_step: int | None = None,
     ):
+        """``hparams``: the config, written to TensorBoard once (pass it for a fresh run, not for a resume).
+        ``resume_step``: the checkpoint's step when resuming; TensorBoard hides what was logged after it."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.alerts_path = self.run_dir / "alerts.jsonl"
@@ -389,7 +411,10 @@ class MetricsLogger:
         self.tb: TensorBoardSink | None = None
         try:
             if tensorboard:
-                self.tb = TensorBoardSink(self.run_dir / "tb")
+                self.tb = TensorBoardSink(self.run_dir / "tb",
+                                          purge_step=None if resume_step is None else int(resume_step) + 1)
+                if hparams is not None:
+                    self.tb.hparams(resume_step or 0, hparams, _HPARAM_METRICS)
             self.console = ConsoleSink(total_timesteps, log_every=log_every, console=console_obj, enabled=console)
         except BaseException:
             self.csv.close()
