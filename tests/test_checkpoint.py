@@ -70,8 +70,13 @@ def test_save_overwrites_and_creates_parent(tmp_path):
     assert _tmp_files(path.parent) == []
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
-def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, exc):
+@pytest.mark.parametrize("exc, raised", [
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), CheckpointError),
+    (OSError(28, "No space left on device"), CheckpointError),
+    (PermissionError(13, "Permission denied"), CheckpointError),
+    (KeyboardInterrupt(), KeyboardInterrupt),
+])
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, exc, raised):
     path = tmp_path / "ckpt.pt"
     save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
     before = path.read_bytes()
@@ -81,9 +86,15 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, exc):
         raise exc
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(type(exc)):
+    with pytest.raises(raised) as info:
         save_checkpoint(path, {"step": 2, "w": torch.zeros(3)})
     monkeypatch.undo()
+    if raised is CheckpointError:
+        # One line that names the file and what failed, and says the old checkpoint is intact.
+        msg = str(info.value)
+        assert "\n" not in msg and str(path) in msg and "previous checkpoint is unchanged" in msg
+        assert str(exc).split("]")[0].strip("[") in msg or "errno" in msg
+        assert info.value.__cause__ is exc
     assert path.read_bytes() == before
     assert load_checkpoint(path)["step"] == 1
     assert _tmp_files(tmp_path) == []
@@ -98,7 +109,7 @@ def test_failed_replace_cleans_up(tmp_path, monkeypatch):
         raise OSError("rename failed")
 
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="rename failed"):
         save_checkpoint(path, {"step": 2})
     monkeypatch.undo()
     assert load_checkpoint(path)["step"] == 1

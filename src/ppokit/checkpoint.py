@@ -3,20 +3,33 @@
 Loading always goes through ``torch.load(..., weights_only=True)``, so a checkpoint from an untrusted source
 can at worst fail to load; it can never execute a pickled payload. Saving checks the state up front for
 anything that restricted loader would refuse, so a run never writes a checkpoint it cannot read back, and
-refuses non-finite tensors, so a diverged run cannot overwrite the last good checkpoint with NaNs.
+refuses non-finite tensors in the learner's state (``finite=``: policy, optimizer, normalizers), so a diverged
+run cannot overwrite the last good checkpoint with NaNs. Raw environment buffers may hold the NaN an env
+emitted; they are stored as they are.
+
+Format version 2 stores a SHA-256 over every value (tensor bytes, dtypes, shapes, numbers, strings) and the
+list of keys that were checked finite; loading recomputes both and refuses a file whose bytes changed after it
+was written, or whose learner state holds NaN/Inf. Version-1 files (no checksum) still load, with a
+:class:`CheckpointWarning`, and are checked finite everywhere, as version 1 required when it wrote them.
 
 Writes go to a temp file in the target directory, are fsynced, then renamed over the target: a crash or
-Ctrl-C at any point leaves either the old checkpoint or the new one, never a truncated file.
+Ctrl-C at any point leaves either the old checkpoint or the new one, never a truncated file. A failed write
+(disk full, read-only directory, torch's ``inline_container`` errors) raises :class:`CheckpointError` saying
+what failed; the previous checkpoint is untouched.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import pickle
 import random
 import tempfile
+import warnings
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +38,27 @@ import torch
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWarning",
     "FORMAT",
+    "LEARNER_KEYS",
     "VERSION",
     "save_checkpoint",
     "load_checkpoint",
     "rng_state",
     "set_rng_state",
+    "check_stored_env_id",
+    "one_line",
 ]
 
 FORMAT = "ppokit-checkpoint"
-VERSION = 1
+# 2: adds "checksum" (SHA-256 of every value) and "finite" (the keys checked for NaN/Inf at save).
+VERSION = 2
 
-_RESERVED = ("format", "version")
+# The keys of a ppokit training checkpoint that hold the learner: these must be finite to save or load.
+# Everything else (env buffers, episode counters) may legitimately hold what a misbehaving env produced.
+LEARNER_KEYS = ("policy", "optimizer", "obs_norm", "reward_scaler")
+
+_RESERVED = ("format", "version", "checksum", "finite")
 # Exact types, not isinstance: numpy scalars subclass float and IntEnums subclass int, yet the restricted
 # unpickler refuses both.
 _LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
@@ -48,15 +70,23 @@ class CheckpointError(Exception):
     """A checkpoint could not be saved or loaded safely."""
 
 
+class CheckpointWarning(UserWarning):
+    """A checkpoint loaded, but could not be fully verified (an old format without a checksum)."""
+
+
 def _type_name(obj: Any) -> str:
     cls = type(obj)
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _validate(obj: Any, where: str, active: set[int]) -> None:
+def _nonfinite(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
+
+
+def _validate(obj: Any, where: str, active: set[int], finite: bool = True) -> None:
     cls = type(obj)
     if cls in _TENSORS:
-        if (obj.is_floating_point() or obj.is_complex()) and not bool(torch.isfinite(obj).all()):
+        if finite and _nonfinite(obj):
             raise CheckpointError(f"{where} contains NaN or Inf; refusing to checkpoint a diverged state")
         return
     if cls in _LEAVES:
@@ -74,10 +104,10 @@ def _validate(obj: Any, where: str, active: set[int]) -> None:
             for key, value in obj.items():
                 if type(key) not in _LEAVES:
                     raise CheckpointError(f"{where} has a key of type {_type_name(key)}; keys must be str or numbers")
-                _validate(value, f"{where}[{key!r}]", active)
+                _validate(value, f"{where}[{key!r}]", active, finite)
         else:
             for i, value in enumerate(obj):
-                _validate(value, f"{where}[{i}]", active)
+                _validate(value, f"{where}[{i}]", active, finite)
     finally:
         active.discard(id(obj))
 
@@ -96,22 +126,84 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
-    """Atomically write ``state`` (plus the ppokit format marker) to ``path``; the old file survives any failure."""
+def _digest(obj: Any, h: "hashlib._Hash") -> None:
+    """Feed ``obj`` into ``h`` in a canonical order: container structure, keys, leaf reprs, tensor bytes."""
+    cls = type(obj)
+    if cls in _TENSORS:
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
+        # A uint8 view of the elements: every dtype (bfloat16 and bool included) hashes its exact bytes.
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        h.update(b"{")
+        for key, value in obj.items():
+            h.update(f"{type(key).__name__}:{key!r}=".encode())
+            _digest(value, h)
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)) and cls is not torch.Size:
+        h.update(b"[" if isinstance(obj, list) else b"(")
+        for value in obj:
+            _digest(value, h)
+        h.update(b"]")
+    else:
+        h.update(f"{_type_name(obj)}:{obj!r};".encode())
+
+
+def _checksum(payload: dict) -> str:
+    h = hashlib.sha256()
+    _digest({k: v for k, v in payload.items() if k != "checksum"}, h)
+    return h.hexdigest()
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line (torch's multi-line errors joined), cut to ``limit`` characters."""
+    text = "; ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a failed write: the OS reason with its errno name, or the first line of torch's message."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        name = errno.errorcode.get(exc.errno, "")
+        reason = exc.strerror or str(exc)
+        hint = ""
+        if exc.errno == errno.ENOSPC:
+            hint = "; the disk is full"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            hint = "; the directory is not writable"
+        return f"{reason} (errno {exc.errno} {name}{hint})"
+    return one_line(exc)
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict, finite: Iterable[str] | None = None) -> None:
+    """Atomically write ``state`` (plus the ppokit format marker and a checksum) to ``path``.
+
+    ``finite`` names the top-level keys whose tensors must be free of NaN/Inf (default: every key). The old file
+    survives any failure; a failed write raises :class:`CheckpointError` naming the path and the reason.
+    """
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint state must be a dict, got {_type_name(state)}")
     clash = [k for k in _RESERVED if k in state]
     if clash:
         raise CheckpointError(f"state uses reserved key(s) {clash}; ppokit writes those itself")
-    _validate(state, "state", set())
-    payload = {"format": FORMAT, "version": VERSION, **state}
+    finite_keys = None if finite is None else [str(k) for k in finite]
+    for key, value in state.items():
+        if type(key) not in _LEAVES:
+            raise CheckpointError(f"state has a key of type {_type_name(key)}; keys must be str or numbers")
+        _validate(value, f"state[{key!r}]", set(), finite_keys is None or key in finite_keys)
+    payload = {"format": FORMAT, "version": VERSION, "finite": finite_keys, **state}
+    payload["checksum"] = {"sha256": _checksum(payload)}
 
     path = Path(path)
     directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    # mkstemp-style files are 0600; keep the mode an existing checkpoint had, else a normal 0644.
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    tmp = tempfile.NamedTemporaryFile(delete=False, dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # mkstemp-style files are 0600; keep the mode an existing checkpoint had, else a normal 0644.
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+        tmp = tempfile.NamedTemporaryFile(delete=False, dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise CheckpointError(f"could not write the checkpoint {path}: {_describe(exc)}") from exc
     try:
         with tmp as f:
             torch.save(payload, f)
@@ -119,17 +211,39 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp.name, mode)
         os.replace(tmp.name, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp.name)
         except OSError:
             pass
+        if isinstance(exc, (OSError, RuntimeError)):
+            # Disk full, read-only dir, or torch's "[enforce fail at inline_container.cc]" (its wrapper of a
+            # failed write): say what failed; the previous checkpoint was never touched.
+            kept = "; the previous checkpoint is unchanged" if path.exists() else ""
+            raise CheckpointError(f"could not write the checkpoint {path}: {_describe(exc)}{kept}") from exc
         raise
     _fsync_dir(directory)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
-    """Load a ppokit checkpoint with ``weights_only=True``; anything else raises :class:`CheckpointError`."""
+def _check_finite(obj: Any, where: str, path: Path) -> None:
+    if type(obj) in _TENSORS:
+        if _nonfinite(obj):
+            raise CheckpointError(f"{path}: {where} contains NaN or Inf; refusing to load a diverged learner")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_finite(value, f"{where}[{key!r}]", path)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _check_finite(value, f"{where}[{i}]", path)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu",
+                    require_finite: Iterable[str] = ()) -> dict:
+    """Load a ppokit checkpoint with ``weights_only=True``; anything else raises :class:`CheckpointError`.
+
+    The checksum (format 2) is verified, and the keys the writer checked finite, plus ``require_finite``, must
+    hold no NaN/Inf. The returned dict holds ``format``, ``version`` and the saved state.
+    """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}")
@@ -162,7 +276,45 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
             f"{path} is checkpoint format version {version}, written by a newer ppokit; "
             f"this version reads up to {VERSION}, please upgrade"
         )
+    if version == 1:
+        warnings.warn(f"{path} is a version-1 checkpoint, which has no checksum, so damage to it cannot be "
+                      "detected; the next save of this run writes version 2", CheckpointWarning, stacklevel=2)
+        finite_keys = None  # version 1 refused NaN/Inf anywhere at save
+    else:
+        stored = obj.pop("checksum", None)
+        if not isinstance(stored, dict) or not isinstance(stored.get("sha256"), str):
+            raise CheckpointError(f"{path} is a version-{version} checkpoint without a checksum; "
+                                  "it was damaged or not written by ppokit")
+        if stored["sha256"] != _checksum(obj):
+            raise CheckpointError(f"{path} is corrupt: its contents do not match the SHA-256 checksum stored "
+                                  "when it was written (the file was modified or damaged on disk)")
+        finite_keys = obj.pop("finite", None)
+        if finite_keys is not None and not (isinstance(finite_keys, list)
+                                            and all(isinstance(k, str) for k in finite_keys)):
+            raise CheckpointError(f"{path} has a malformed 'finite' entry {finite_keys!r}")
+    keys = [k for k in obj if k not in _RESERVED] if finite_keys is None else list(finite_keys)
+    for key in dict.fromkeys([*keys, *require_finite]):
+        if key in obj:
+            _check_finite(obj[key], f"state[{key!r}]", path)
     return obj
+
+
+def check_stored_env_id(env_id: Any, allow_import: Iterable[str], source: str | os.PathLike) -> None:
+    """Refuse a stored ``"module:Env-v0"`` id whose module the caller did not allow.
+
+    Gymnasium imports ``module`` to build such an env, and importing runs the module's code: a checkpoint or
+    run dir from someone else must never choose what runs. Only modules the user names (``--import-module``,
+    ``allow_import=``) may be imported on the checkpoint's behalf.
+    """
+    if not isinstance(env_id, str):
+        return  # the config's own validation reports a non-string id
+    module, sep, _ = env_id.partition(":")
+    if sep and module not in set(allow_import):
+        raise CheckpointError(
+            f"{source}: its env_id {env_id!r} would import the Python module {module!r}, and ppokit never "
+            f"imports a module named only by a checkpoint; if you trust it, pass --import-module {module} "
+            f"(Python: allow_import=({module!r},)), or give the env explicitly with --env"
+        )
 
 
 def rng_state() -> dict:

@@ -7,6 +7,7 @@ import importlib
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
@@ -14,8 +15,29 @@ VECTOR_MODES = ("sync", "async", "native", "envpool")
 
 
 def _split_module(env_id: str) -> tuple[str | None, str]:
-    module, sep, name = env_id.rpartition(":")
+    """``"module:Env-v0"`` -> ``("module", "Env-v0")``; Gymnasium's own split allows exactly one colon."""
+    module, sep, name = env_id.partition(":")
     return (module, name) if sep else (None, env_id)
+
+
+def _import_env_module(env_id: str, module: str) -> None:
+    """Import the module a ``"module:Env-v0"`` id names (it registers the env), with a one-line ValueError on failure.
+
+    Only ids the user typed get here: a stored id (checkpoint, run dir) is refused before, in
+    ``checkpoint.check_stored_env_id``, unless the user allowed its module.
+    """
+    if not module or ":" in env_id.partition(":")[2]:
+        raise ValueError(f"env id {env_id!r} is malformed: the form is 'module:EnvName-v0' (one colon)")
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            raise ValueError(f"env id {env_id!r}: there is no module named {module!r} to import "
+                             "(the form 'module:EnvName-v0' imports module, which must register EnvName-v0)") from None
+        raise ValueError(f"env id {env_id!r}: importing module {module!r} failed: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the module raises, the user gets one line, not its traceback
+        raise ValueError(f"env id {env_id!r}: importing module {module!r} failed: "
+                         f"{type(exc).__name__}: {exc}") from None
 
 
 def _ensure_registered() -> None:
@@ -30,12 +52,24 @@ def check_env_id(env_id: str) -> None:
     if not isinstance(env_id, str) or not env_id:
         raise ValueError(f"env_id must be a non-empty string, got {env_id!r}")
     _ensure_registered()
-    module, _ = _split_module(env_id)
+    module, name = _split_module(env_id)
     if module is not None:
-        # "module:Env-v0" registers on import; gymnasium reports its own errors for those.
-        return
+        # "module:Env-v0" registers Env-v0 by importing module (the user named it on the command line).
+        _import_env_module(env_id, module)
+        if name in gym.registry:
+            return
+        raise ValueError(f"Unknown environment id {name!r}: module {module!r} was imported but registered no env "
+                         f"of that name. {_suggest(name)}")
     if env_id in gym.registry:
         return
+    raise ValueError(
+        f"Unknown environment id {env_id!r}. {_suggest(env_id)} "
+        "(Environments from other packages need that package imported, or an id of the form 'module:EnvName-v0'.)"
+    )
+
+
+def _suggest(env_id: str) -> str:
+    """"Did you mean ...?" with the closest registered ids, or how to list them."""
     ids = list(gym.registry.keys())
     # Compare case-insensitively so "cartpole-v1" still finds "CartPole-v1".
     by_lower: dict[str, str] = {}
@@ -44,19 +78,14 @@ def check_env_id(env_id: str) -> None:
     close = difflib.get_close_matches(env_id.lower(), list(by_lower), n=5, cutoff=0.6)
     suggestions = [by_lower[c] for c in close]
     if suggestions:
-        hint = "Did you mean: " + ", ".join(repr(s) for s in suggestions) + "?"
-    else:
-        hint = "Run `python -c \"import gymnasium; gymnasium.pprint_registry()\"` to list the registered ids."
-    raise ValueError(
-        f"Unknown environment id {env_id!r}. {hint} "
-        "(Environments from other packages need that package imported, or an id of the form 'module:EnvName-v0'.)"
-    )
+        return "Did you mean: " + ", ".join(repr(s) for s in suggestions) + "?"
+    return "Run `python -c \"import gymnasium; gymnasium.pprint_registry()\"` to list the registered ids."
 
 
 def _get_spec(env_id: str) -> EnvSpec:
     module, name = _split_module(env_id)
     if module is not None:
-        importlib.import_module(module)
+        _import_env_module(env_id, module)
     return gym.spec(name)
 
 
@@ -94,23 +123,32 @@ def check_spaces(env: Any) -> str:
             f"Unsupported observation space {obs}: ppokit only supports Box observations "
             f"(flat vectors or images).{extra}"
         )
+    if int(np.prod(obs.shape)) == 0:
+        # A policy over zero inputs cannot be built (torch fails deep inside with an unrelated message).
+        raise ValueError(f"Unsupported observation space {obs}: it has no elements (shape {obs.shape}).")
 
     if isinstance(act, spaces.Discrete):
         # The policy samples indices 0..n-1; a shifted start would silently send wrong actions.
         if int(act.start) != 0:
             raise ValueError(f"Unsupported action space {act}: Discrete spaces must start at 0.")
+        if int(act.n) < 1:
+            raise ValueError(f"Unsupported action space {act}: a Discrete space needs at least one action.")
         return "discrete"
     if isinstance(act, spaces.MultiDiscrete):
         if act.nvec.ndim != 1:
             raise ValueError(f"Unsupported action space {act}: MultiDiscrete must have a 1-D nvec.")
         if (act.start != 0).any():
             raise ValueError(f"Unsupported action space {act}: MultiDiscrete spaces must start at 0.")
+        if act.nvec.size == 0 or (act.nvec < 1).any():
+            raise ValueError(f"Unsupported action space {act}: every MultiDiscrete dimension needs >= 1 action.")
         return "multidiscrete"
     if isinstance(act, spaces.Box):
         if len(act.shape) != 1:
             raise ValueError(
                 f"Unsupported action space {act}: continuous actions must be a 1-D Box, got shape {act.shape}."
             )
+        if act.shape[0] == 0:
+            raise ValueError(f"Unsupported action space {act}: a continuous action needs at least one dimension.")
         return "continuous"
     raise ValueError(
         f"Unsupported action space {type(act).__name__} ({act}): ppokit supports Discrete, "

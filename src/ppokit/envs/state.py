@@ -2,10 +2,12 @@
 
 A resumed run only continues *exactly* like the uninterrupted one if the environments continue from where they
 stopped. Gymnasium environments are not serializable in general and pickling them would let a checkpoint run
-code, so this walks each environment's wrapper chain and records only plain data attributes: numbers, strings,
-numpy arrays (stored as tensors) and numpy ``Generator`` states (stored as their bit-generator state dict).
-That covers the classic-control and toy environments whose whole state is such data; environments living in
-other processes (``async``) cannot be captured, and resume then continues from freshly reset environments.
+code, so this walks each environment's wrapper chain and records only plain data attributes: numbers,
+strings, numpy scalars and arrays of any dtype (as tensors, or raw bytes for dtypes torch lacks), numpy
+``Generator`` states (as their bit-generator state dict), and lists/tuples/dicts of those, nested. That covers
+the classic-control and toy-text environments, whose whole state is such data. Environments living in other
+processes (``async``) or holding simulator objects (Box2D's world) cannot be captured; resume then continues
+from freshly reset environments.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ import torch
 __all__ = ["capture_env_state", "restore_env_state"]
 
 _PRIMITIVES = (bool, int, float, str, type(None))
+# Array dtypes torch stores natively (and readably); any other dtype (uint16..uint64, strings, datetimes,
+# structured records) is stored as its raw bytes plus numpy's dtype description, so nothing is approximated.
+_TORCH_DTYPES = {np.dtype(d) for d in ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32",
+                                       "float64", "complex64", "complex128")}
+# Modules whose objects hold simulator state outside Python data (Box2D's world, bodies and joints): an env
+# holding one cannot be captured, and restoring only its plain attributes would desynchronize it.
+_FOREIGN_STATE_MODULES = ("Box2D", "gymnasium.envs.box2d")
 
 
 def _chain(env: Any) -> list[Any]:
@@ -30,17 +39,51 @@ def _chain(env: Any) -> list[Any]:
     return out
 
 
-def _encode(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, _PRIMITIVES):
+def _encode_array(value: np.ndarray) -> dict:
+    arr = np.array(value, copy=True, order="C")  # not ascontiguousarray: that turns a 0-d array into 1-d
+    if arr.dtype in _TORCH_DTYPES:
+        return {"t": "nd", "v": torch.from_numpy(arr), "dtype": str(arr.dtype)}
+    raw = np.frombuffer(arr.tobytes(), dtype=np.uint8).copy()
+    return {"t": "raw", "v": torch.from_numpy(raw), "descr": np.lib.format.dtype_to_descr(arr.dtype),
+            "shape": list(arr.shape)}
+
+
+def _items(values: Any) -> list | None:
+    """Container elements: exact Python primitives as they are, anything else encoded; None if one is not data."""
+    out = []
+    for value in values:
+        if type(value) in _PRIMITIVES:
+            out.append(value)
+            continue
+        enc = _encode(value)
+        if enc is None:
+            return None
+        out.append(enc)
+    return out
+
+
+def _encode(value: Any) -> dict | None:
+    """A weights_only-safe encoding of ``value``, or None when it is not plain data.
+
+    Types are matched exactly: numpy scalars subclass float/int and enums subclass int/str, and the restricted
+    unpickler refuses both, so they are encoded (numpy scalars keep their dtype) or skipped, never passed through.
+    """
+    if type(value) in _PRIMITIVES:
         return {"t": "py", "v": value}
-    if isinstance(value, np.ndarray) and value.dtype != object:
-        return {"t": "nd", "v": torch.from_numpy(np.array(value, copy=True)), "dtype": str(value.dtype)}
+    if isinstance(value, np.generic):
+        if value.dtype == object:
+            return None
+        return {"t": "np", "v": _encode_array(np.asarray(value))}
+    if isinstance(value, np.ndarray):
+        return None if value.dtype.hasobject else _encode_array(value)
     if isinstance(value, np.random.Generator):
         return {"t": "rng", "v": _plain(value.bit_generator.state)}
-    if isinstance(value, (list, tuple)) and all(isinstance(v, _PRIMITIVES) for v in value):
-        return {"t": "list" if isinstance(value, list) else "tuple", "v": list(value)}
+    if type(value) in (list, tuple):
+        items = _items(value)
+        return None if items is None else {"t": type(value).__name__, "v": items}
+    if type(value) is dict:
+        items = _items(value.values()) if all(type(k) in _PRIMITIVES for k in value) else None
+        return None if items is None else {"t": "dict", "k": list(value), "v": items}
     return None
 
 
@@ -55,20 +98,41 @@ def _plain(d: Any) -> Any:
     return d
 
 
+def _decode_item(item: Any) -> Any:
+    return _decode(item, None) if isinstance(item, dict) else item
+
+
 def _decode(enc: dict, current: Any) -> Any:
     kind = enc["t"]
     if kind == "py":
         return enc["v"]
     if kind == "nd":
         return enc["v"].numpy().astype(enc["dtype"], copy=True)
+    if kind == "raw":
+        dtype = np.lib.format.descr_to_dtype(enc["descr"])
+        return np.frombuffer(enc["v"].numpy().tobytes(), dtype=dtype).reshape(enc["shape"]).copy()
+    if kind == "np":
+        return _decode(enc["v"], None)[()]  # a 0-d array back to the numpy scalar it was, dtype and all
     if kind == "rng":
         rng = current if isinstance(current, np.random.Generator) else np.random.Generator(np.random.PCG64())
         state = dict(enc["v"])
         rng.bit_generator.state = state
         return rng
-    if kind == "tuple":
-        return tuple(enc["v"])
-    return list(enc["v"])
+    if kind == "dict":
+        return {k: _decode_item(v) for k, v in zip(enc["k"], enc["v"])}
+    # "list"/"tuple": version-1 checkpoints hold only primitives here, which decode as themselves.
+    items = [_decode_item(v) for v in enc["v"]]
+    return tuple(items) if kind == "tuple" else items
+
+
+def _holds_foreign_state(obj: Any) -> bool:
+    def foreign(value: Any) -> bool:
+        return type(value).__module__.startswith(_FOREIGN_STATE_MODULES)
+
+    for value in vars(obj).values():
+        if foreign(value) or (type(value) in (list, tuple) and any(foreign(v) for v in value)):
+            return True
+    return False
 
 
 def _capture_obj(obj: Any) -> dict:
@@ -89,10 +153,12 @@ def capture_env_state(vec_env: Any) -> dict | None:
     chain = _chain(vec_env)
     if any(isinstance(e, AsyncVectorEnv) or getattr(e, "state_capturable", True) is False for e in chain):
         return None
+    sub_chains = [_chain(sub) for sub in getattr(chain[-1], "envs", []) or []]
+    if any(_holds_foreign_state(e) for c in sub_chains for e in c):
+        return None
     state = {"vector": [_capture_obj(e) for e in chain], "envs": []}
-    base = chain[-1]
-    for sub in getattr(base, "envs", []) or []:
-        state["envs"].append([_capture_obj(e) for e in _chain(sub)])
+    for sub_chain in sub_chains:
+        state["envs"].append([_capture_obj(e) for e in sub_chain])
     return state
 
 
