@@ -75,7 +75,7 @@ class Trainer:
     """PPO train state plus the loop. Build with a validated config; ``run()`` trains to ``total_timesteps``."""
 
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
-                 console_enabled: bool = True, resume_state: dict | None = None):
+                 console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False):
         from .envs import check_env_id, check_spaces, make_vec_env
         from .envs.factory import autoreset_mode
         from .logger import MetricsLogger
@@ -134,22 +134,52 @@ class Trainer:
         self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
         self._eval_envs = None
 
-        self.run_dir = Path(run_dir or cfg.run_dir or default_run_dir(cfg))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save_toml(self.run_dir / "config.toml")
-        if cfg.unsafe:
-            (self.run_dir / "UNSAFE").write_text(
-                "This run was started with --unsafe; it breaks these guard rails:\n"
-                + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
+        # The run dir is claimed before anything is written to it: locked against a second process, refused if
+        # it holds another run (unless overwrite), cleared of a killed checkpoint write's temp files.
+        from . import rundir
 
-        raw_obs, _ = self.envs.reset(seed=cfg.seed)
-        self.envs.action_space.seed(cfg.seed)
-        self.next_obs_raw = np.asarray(raw_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
-        if resume_state is not None:
-            self._load_state(resume_state)
-        # The bar's end is the last update's step, which total_timesteps need not be a multiple of.
-        self.logger = MetricsLogger(self.run_dir, cfg.num_updates * cfg.batch_size, log_every=cfg.log_every,
-                                    tensorboard=cfg.tensorboard, console=console_enabled, console_obj=console)
+        self.run_dir = Path(run_dir or cfg.run_dir or default_run_dir(cfg))
+        try:
+            self._claim = rundir.claim(self.run_dir, resume=resume_state is not None, overwrite=overwrite)
+        except BaseException:
+            self.envs.close()
+            raise
+        notes = list(self._claim.notes)
+        try:
+            cfg.save_toml(self.run_dir / "config.toml")
+            if cfg.unsafe:
+                (self.run_dir / "UNSAFE").write_text(
+                    "This run was started with --unsafe; it breaks these guard rails:\n"
+                    + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
+
+            raw_obs, _ = self.envs.reset(seed=cfg.seed)
+            self.envs.action_space.seed(cfg.seed)
+            self.next_obs_raw = np.asarray(raw_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
+            if resume_state is not None:
+                self._load_state(resume_state)
+                # What the killed run logged after its checkpoint is logged again from here: drop the old copy.
+                notes += rundir.trim_to_checkpoint(self.run_dir, self.update_idx, self.global_step)
+            rundir.update_latest_link(self.run_dir)
+            # The bar's end is the last update's step, which total_timesteps need not be a multiple of.
+            self.logger = MetricsLogger(self.run_dir, cfg.num_updates * cfg.batch_size, log_every=cfg.log_every,
+                                        tensorboard=cfg.tensorboard, console=console_enabled, console_obj=console,
+                                        hparams=cfg.to_dict() if resume_state is None else None,
+                                        resume_step=self.global_step if resume_state is not None else None)
+        except BaseException:
+            self._claim.release()
+            self.envs.close()
+            raise
+        # A trainer dropped without run() (built only to inspect its state) must not leave its lock behind.
+        import weakref
+
+        weakref.finalize(self, self._claim.release)
+        self._interrupt_noted = False
+        self.notes = notes
+        if notes:
+            from rich.text import Text  # plain text: paths may hold [brackets] that markup would eat
+
+            for note in notes:
+                self.logger.console.print(Text(f"note: {note}"))
         self.metrics: list[dict[str, float]] = []
         if cfg.unsafe:
             self.logger.alert(self.global_step, "warn", "unsafe_run",
@@ -162,6 +192,7 @@ class Trainer:
         old_handler = _install_sigint(self)
         start_time = time.perf_counter()
         start_step = self.global_step
+        saved_update = self.update_idx  # the update the run dir's checkpoint holds (none yet counts as current)
         try:
             while self.update_idx < cfg.num_updates and not self._stop_requested and not self._solved:
                 frac = 1.0 - self.update_idx / cfg.num_updates
@@ -202,12 +233,24 @@ class Trainer:
                 for alert in self.monitor.check(self.update_idx, metrics):
                     self.logger.alert(self.global_step, alert.level, alert.name, alert.message, alert.data)
 
-                # 5. Checkpoint
-                if self.update_idx % cfg.save_every == 0 or self.update_idx == cfg.num_updates or self._solved:
+                # 5. Checkpoint. The row above is written first; a run killed before this save logs the update
+                # again when resumed, and the resume drops the old row (rundir.trim_to_checkpoint).
+                stopping = self._stop_requested  # read once: a Ctrl-C landing after this is handled below
+                if stopping:
+                    self._note_interrupt()
+                if (stopping or self.update_idx % cfg.save_every == 0 or self.update_idx == cfg.num_updates
+                        or self._solved):
                     self.save()
+                    saved_update = self.update_idx
                 self.perf["logging"] += time.perf_counter() - t0
             if self._stop_requested:
-                self.save()
+                self._note_interrupt()
+                if saved_update != self.update_idx:
+                    self.save()
+        except BaseException:
+            # A crash or a second Ctrl-C: the last checkpoint stands (writes are atomic); free the run dir.
+            self._abandon()
+            raise
         finally:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
@@ -462,14 +505,38 @@ class Trainer:
                 plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png", alerts=self.logger.alerts,
                             title=("UNSAFE run: " if self.config.unsafe else "") + self.config.env_id)
         finally:
-            self.logger.summary(lines)
-            self.logger.close()
-            self.envs.close()
+            try:
+                self.logger.summary(lines)
+                self.logger.close()
+                self.envs.close()
+            finally:
+                self._claim.release()
+
+    def _note_interrupt(self) -> None:
+        """Log the Ctrl-C alert once. Here, in the loop, never in the signal handler: the interrupted code may hold
+        a sink's lock (TensorBoard's writer), and an alert written from the handler would wait on it forever."""
+        if self._interrupt_noted:
+            return
+        self._interrupt_noted = True
+        self.logger.alert(self.global_step, "warn", "interrupted",
+                          f"Ctrl-C: finished update {self.update_idx}, saving a checkpoint and exiting "
+                          "(press again to abort without saving)")
+
+    def _abandon(self) -> None:
+        """After an exception in the loop: flush what was logged, close the envs, release the run dir's lock."""
+        try:
+            try:
+                self.logger.close()
+            finally:
+                self.envs.close()
+        except Exception:
+            pass  # the exception in flight is the one to report
+        finally:
+            self._claim.release()
 
     # ================================================================== checkpoints
     def state(self) -> dict[str, Any]:
         """The full train state in checkpoint-safe types."""
-        from .agent import spaces_record
         from .envs.state import capture_env_state
 
         return {
@@ -491,53 +558,34 @@ class Trainer:
                 "prev_done": torch.from_numpy(self.prev_done.copy()),
             },
             "env_state": capture_env_state(self.envs),
-            # What the policy was built for, so that evaluating it elsewhere can name both sides of a mismatch
-            # and acting needs no env to find its bounds.
-            "spaces": spaces_record(self.envs.single_observation_space, self.envs.single_action_space),
         }
 
     def save(self) -> Path:
-        """Write the checkpoint atomically into the run dir; a failed write raises CheckpointError, old file kept."""
+        """Write the checkpoint atomically into the run dir."""
         path = self.run_dir / CHECKPOINT_NAME
-        # NaN/Inf is refused in the learner only: env buffers may hold what the env emitted (those steps are
-        # skipped in training), and refusing them would lose the run at its next save.
-        ckpt.save_checkpoint(path, self.state(), finite=ckpt.LEARNER_KEYS)
+        ckpt.save_checkpoint(path, self.state())
         return path
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        from .agent import describe_policy_spec
         from .envs.state import restore_env_state
 
-        path = self.run_dir / CHECKPOINT_NAME
-        if "policy_spec" not in state:
-            raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no 'policy_spec' entry")
-        saved_spec, spec = state["policy_spec"], self.policy.spec()
-        if saved_spec != spec:
-            raise ckpt.CheckpointError(
-                f"{path} holds a policy for {describe_policy_spec(saved_spec)}, but {self.config.env_id} with this "
-                f"config needs one for {describe_policy_spec(spec)}; it cannot be resumed here")
-        try:
-            self.policy.load_state_dict(state["policy"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.obs_norm is not None and state.get("obs_norm") is not None:
-                self.obs_norm.load_state_dict(state["obs_norm"])
-            if self.reward_scaler is not None and state.get("reward_scaler") is not None:
-                self.reward_scaler.load_state_dict(state["reward_scaler"])
-            self.global_step = int(state["global_step"])
-            self.update_idx = int(state["update"])
-            self.kl_beta = float(state["kl_beta"])
-            self.perf.update(state.get("perf", {}))
-            loop = state["loop"]
-            if restore_env_state(self.envs, state.get("env_state")):
-                self.next_obs_raw = loop["next_obs_raw"].numpy().copy()
-                self.ep_return = loop["ep_return"].numpy().copy()
-                self.ep_length = loop["ep_length"].numpy().copy()
-                self.prev_done = loop["prev_done"].numpy().copy()
-            ckpt.set_rng_state(state["rng"])
-        except KeyError as exc:
-            raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no {exc.args[0]!r} entry") from exc
-        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
-            raise ckpt.CheckpointError(f"{path} cannot be resumed: {ckpt.one_line(exc)}") from exc
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.obs_norm is not None and state.get("obs_norm") is not None:
+            self.obs_norm.load_state_dict(state["obs_norm"])
+        if self.reward_scaler is not None and state.get("reward_scaler") is not None:
+            self.reward_scaler.load_state_dict(state["reward_scaler"])
+        self.global_step = int(state["global_step"])
+        self.update_idx = int(state["update"])
+        self.kl_beta = float(state["kl_beta"])
+        self.perf.update(state.get("perf", {}))
+        loop = state["loop"]
+        if restore_env_state(self.envs, state.get("env_state")):
+            self.next_obs_raw = loop["next_obs_raw"].numpy().copy()
+            self.ep_return = loop["ep_return"].numpy().copy()
+            self.ep_length = loop["ep_length"].numpy().copy()
+            self.prev_done = loop["prev_done"].numpy().copy()
+        ckpt.set_rng_state(state["rng"])
 
 
 def adapt_kl_beta(beta: float, kl: float, target: float) -> float:
@@ -566,39 +614,32 @@ def _install_sigint(trainer: Trainer):
         return None
 
     def handler(signum, frame):
+        # Only a flag: the loop logs the alert and saves. Anything more (I/O, a lock) could deadlock on what the
+        # interrupted code holds. The second Ctrl-C aborts; a checkpoint write it lands in leaves the old file.
         if trainer._stop_requested:
             raise KeyboardInterrupt
         trainer._stop_requested = True
-        try:
-            trainer.logger.alert(trainer.global_step, "warn", "interrupted",
-                                 "Ctrl-C: finishing this update, saving a checkpoint and exiting "
-                                 "(press again to abort without saving)")
-        except Exception:
-            pass
 
     return signal.signal(signal.SIGINT, handler)
 
 
 def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
-          console_enabled: bool = True) -> Run:
-    """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy."""
-    return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled).run()
+          console_enabled: bool = True, overwrite: bool = False) -> Run:
+    """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
+
+    A run dir that already holds a run is refused (``rundir.RunDirError``) unless ``overwrite=True``, which first
+    removes the old run's files; continue a run with ``resume`` instead.
+    """
+    return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled,
+                   overwrite=overwrite).run()
 
 
 def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
-           console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = ()) -> Run:
-    """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
-
-    A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
-    checkpoint alone never decides what code is imported. A damaged, diverged or mismatched checkpoint raises
-    ``CheckpointError``.
-    """
-    from .agent import stored_config
-
+           console_enabled: bool = True) -> Run:
+    """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``)."""
     run_dir = Path(run_dir)
-    path = run_dir / CHECKPOINT_NAME
-    state = ckpt.load_checkpoint(path, require_finite=ckpt.LEARNER_KEYS)
-    config = stored_config(state, path, allow_import)
+    state = ckpt.load_checkpoint(run_dir / CHECKPOINT_NAME)
+    config = PPOConfig.from_dict(state["config"])
     if total_timesteps is not None:
         config.total_timesteps = total_timesteps
     trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state)

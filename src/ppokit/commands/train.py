@@ -55,6 +55,9 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(list_presets())}")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file of config fields")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train in a run dir that holds a finished or abandoned run, deleting that run's files first "
+                        "(without it such a run dir is refused)")
     p.add_argument("--quiet", action="store_true", help="no live console output (files are still written)")
     add_config_flags(p)
     p.set_defaults(handler=run)
@@ -71,13 +74,16 @@ def run(args: argparse.Namespace) -> int:
         if args.resume:
             from ppokit.trainer import resume
 
+            if args.overwrite:
+                raise ConfigError("overwrite", "--overwrite cannot be given with --resume: it would delete the run "
+                                               "that --resume continues")
             total = int(args.total_timesteps) if args.total_timesteps is not None else None
             result = resume(args.resume, total_timesteps=total, console_enabled=not args.quiet)
         else:
             from ppokit.trainer import train
 
             config = config_from_args(args)
-            result = train(config, console_enabled=not args.quiet)
+            result = train(config, console_enabled=not args.quiet, overwrite=args.overwrite)
     except (ConfigError, CheckpointError) as exc:
         err.print(f"[bold red]error:[/] {exc}")
         return 2
@@ -85,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
         # Environment problems (unknown id, unsupported spaces) surface as ValueError before training starts.
         err.print(f"[bold red]error:[/] {exc}")
         return 2
+    except KeyboardInterrupt:
+        # The second Ctrl-C (the first one finishes the update and saves): the last checkpoint is intact.
+        err.print("aborted by a second Ctrl-C; the run dir keeps its last checkpoint", highlight=False)
+        return 130
     print(f"run dir: {result.run_dir}")
     return 130 if result.interrupted else 0
 
