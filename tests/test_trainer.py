@@ -131,17 +131,25 @@ def test_update_diagnostics_match_independent_recomputation():
     assert stats["grad_norm"] > 0
 
 
-def test_trainer_explained_variance_is_recomputed_from_its_batch(tmp_path):
-    from ppokit.objectives import explained_variance
+def test_trainer_explained_variance_is_recomputed_from_its_batch(tmp_path, monkeypatch):
+    """The logged diag/explained_variance of every update is 1 - Var(R - V_old) / Var(R) of that update's batch
+    (the critic's rollout-time values against the GAE returns), recomputed here in float64 numpy."""
+    manual: list[float] = []
+    real = Trainer.compute_advantages
 
-    trainer = Trainer(small_gridworld(tmp_path), console_enabled=False)
-    trainer.collect_rollout()
-    batch, _, _ = trainer.compute_advantages()
-    ev = explained_variance(batch.values_old, batch.returns).item()
-    manual = 1 - np.var((batch.returns - batch.values_old).numpy()) / np.var(batch.returns.numpy())
-    assert ev == pytest.approx(manual, rel=1e-4, abs=1e-5)
-    trainer.logger.close()
-    trainer.envs.close()
+    def spy(self):
+        batch, advantages, returns = real(self)
+        # Read now: the batch views the rollout buffer, which the next rollout overwrites.
+        v, r = batch.values_old.double().numpy(), batch.returns.double().numpy()
+        manual.append(1.0 - np.var(r - v) / np.var(r))
+        return batch, advantages, returns
+
+    monkeypatch.setattr(Trainer, "compute_advantages", spy)
+    run = train(small_gridworld(tmp_path), console_enabled=False)
+    logged = [m["diag/explained_variance"] for m in run.metrics]
+    assert len(logged) == len(manual) == 8
+    assert logged == pytest.approx(manual, rel=1e-4, abs=1e-5)
+    assert len({round(x, 6) for x in logged}) > 1  # the critic learns: not one value repeated
 
 
 def test_early_stopping_fires_with_tiny_target_kl_and_never_without(tmp_path):
