@@ -161,6 +161,19 @@ def test_env_raising_in_step_names_env_index_and_step_and_saves_the_learner(tmp_
     assert read_metrics(run_dir / "metrics.csv")["update"] == [1.0, 2.0, 3.0, 4.0]
 
 
+
+def test_resume_after_env_error_continues_from_the_saved_update(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert train("raise_step", run_dir, capsys)[0] == 1
+    Hostile.created = 0  # sub-env 1 raises on its 150th step again: 4 updates later
+    code = main(["train", "--resume", str(run_dir), "--quiet"])
+    line = error_line(capsys.readouterr().err)
+    assert code == 1
+    # 256 steps at the checkpoint + 149 x 2 more before the failing step.
+    assert "at global step 554" in line and "saved the learner state of update 8" in line, line
+    assert read_metrics(run_dir / "metrics.csv")["update"] == [float(u) for u in range(1, 9)]
+
+
 def test_env_error_keeps_an_up_to_date_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code, output = train("raise_step", run_dir, capsys, "--save-every", "2")
