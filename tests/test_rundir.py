@@ -98,7 +98,7 @@ def test_second_train_on_a_live_run_dir_is_refused_and_ctrl_c_exits_130_with_a_c
         # A second fresh run and a --resume on the live run dir are both refused, naming the owner's pid.
         assert main(["train", *TINY, "--total-timesteps", "64", "--run-dir", str(d)]) == 2
         assert main(["train", "--resume", str(d), "--total-timesteps", "64", "--quiet"]) == 2
-        err = capsys.readouterr().err
+        err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
         assert err.count(f"pid {proc.pid}") == 2 and "in use" in err and "Traceback" not in err
         assert json.loads((d / LOCK_NAME).read_text())["pid"] == proc.pid
         # Ctrl-C: the loop finishes the update, logs the alert, saves and the CLI exits 130.
@@ -125,7 +125,7 @@ def test_fresh_run_over_a_finished_run_is_refused_and_overwrite_starts_clean(tmp
     capsys.readouterr()
 
     assert main(["train", *TINY, "--total-timesteps", str(2 * BATCH), "--run-dir", str(d)]) == 2
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
     assert "already holds a run" in err and "--overwrite" in err and "--resume" in err and "Traceback" not in err
     assert (d / "metrics.csv").read_bytes() == before  # untouched: not appended to, not replaced
     with pytest.raises(RunDirError, match="already holds a run"):

@@ -537,6 +537,7 @@ class Trainer:
     # ================================================================== checkpoints
     def state(self) -> dict[str, Any]:
         """The full train state in checkpoint-safe types."""
+        from .agent import spaces_record
         from .envs.state import capture_env_state
 
         return {
@@ -558,34 +559,53 @@ class Trainer:
                 "prev_done": torch.from_numpy(self.prev_done.copy()),
             },
             "env_state": capture_env_state(self.envs),
+            # What the policy was built for, so that evaluating it elsewhere can name both sides of a mismatch
+            # and acting needs no env to find its bounds.
+            "spaces": spaces_record(self.envs.single_observation_space, self.envs.single_action_space),
         }
 
     def save(self) -> Path:
-        """Write the checkpoint atomically into the run dir."""
+        """Write the checkpoint atomically into the run dir; a failed write raises CheckpointError, old file kept."""
         path = self.run_dir / CHECKPOINT_NAME
-        ckpt.save_checkpoint(path, self.state())
+        # NaN/Inf is refused in the learner only: env buffers may hold what the env emitted (those steps are
+        # skipped in training), and refusing them would lose the run at its next save.
+        ckpt.save_checkpoint(path, self.state(), finite=ckpt.LEARNER_KEYS)
         return path
 
     def _load_state(self, state: dict[str, Any]) -> None:
+        from .agent import describe_policy_spec
         from .envs.state import restore_env_state
 
-        self.policy.load_state_dict(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.obs_norm is not None and state.get("obs_norm") is not None:
-            self.obs_norm.load_state_dict(state["obs_norm"])
-        if self.reward_scaler is not None and state.get("reward_scaler") is not None:
-            self.reward_scaler.load_state_dict(state["reward_scaler"])
-        self.global_step = int(state["global_step"])
-        self.update_idx = int(state["update"])
-        self.kl_beta = float(state["kl_beta"])
-        self.perf.update(state.get("perf", {}))
-        loop = state["loop"]
-        if restore_env_state(self.envs, state.get("env_state")):
-            self.next_obs_raw = loop["next_obs_raw"].numpy().copy()
-            self.ep_return = loop["ep_return"].numpy().copy()
-            self.ep_length = loop["ep_length"].numpy().copy()
-            self.prev_done = loop["prev_done"].numpy().copy()
-        ckpt.set_rng_state(state["rng"])
+        path = self.run_dir / CHECKPOINT_NAME
+        if "policy_spec" not in state:
+            raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no 'policy_spec' entry")
+        saved_spec, spec = state["policy_spec"], self.policy.spec()
+        if saved_spec != spec:
+            raise ckpt.CheckpointError(
+                f"{path} holds a policy for {describe_policy_spec(saved_spec)}, but {self.config.env_id} with this "
+                f"config needs one for {describe_policy_spec(spec)}; it cannot be resumed here")
+        try:
+            self.policy.load_state_dict(state["policy"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.obs_norm is not None and state.get("obs_norm") is not None:
+                self.obs_norm.load_state_dict(state["obs_norm"])
+            if self.reward_scaler is not None and state.get("reward_scaler") is not None:
+                self.reward_scaler.load_state_dict(state["reward_scaler"])
+            self.global_step = int(state["global_step"])
+            self.update_idx = int(state["update"])
+            self.kl_beta = float(state["kl_beta"])
+            self.perf.update(state.get("perf", {}))
+            loop = state["loop"]
+            if restore_env_state(self.envs, state.get("env_state")):
+                self.next_obs_raw = loop["next_obs_raw"].numpy().copy()
+                self.ep_return = loop["ep_return"].numpy().copy()
+                self.ep_length = loop["ep_length"].numpy().copy()
+                self.prev_done = loop["prev_done"].numpy().copy()
+            ckpt.set_rng_state(state["rng"])
+        except KeyError as exc:
+            raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no {exc.args[0]!r} entry") from exc
+        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
+            raise ckpt.CheckpointError(f"{path} cannot be resumed: {ckpt.one_line(exc)}") from exc
 
 
 def adapt_kl_beta(beta: float, kl: float, target: float) -> float:
@@ -635,11 +655,19 @@ def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = N
 
 
 def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
-           console_enabled: bool = True) -> Run:
-    """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``)."""
+           console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = ()) -> Run:
+    """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
+
+    A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
+    checkpoint alone never decides what code is imported. A damaged, diverged or mismatched checkpoint raises
+    ``CheckpointError``.
+    """
+    from .agent import stored_config
+
     run_dir = Path(run_dir)
-    state = ckpt.load_checkpoint(run_dir / CHECKPOINT_NAME)
-    config = PPOConfig.from_dict(state["config"])
+    path = run_dir / CHECKPOINT_NAME
+    state = ckpt.load_checkpoint(path, require_finite=ckpt.LEARNER_KEYS)
+    config = stored_config(state, path, allow_import)
     if total_timesteps is not None:
         config.total_timesteps = total_timesteps
     trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state)
