@@ -52,6 +52,13 @@ def runs(tmp_path_factory):
     return base
 
 
+@pytest.fixture
+def fresh_evilmod(monkeypatch):
+    """Each test imports its own evilmod.py: forget any earlier import, and this one after the test."""
+    monkeypatch.setitem(sys.modules, "evilmod", None)
+    del sys.modules["evilmod"]
+
+
 def _copy(runs: Path, name: str, dest: Path) -> Path:
     shutil.copytree(runs / name, dest, ignore=shutil.ignore_patterns("*.lock", "latest"))
     return dest
@@ -79,7 +86,7 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------ 1. no import a checkpoint alone names
-def test_eval_and_resume_never_import_a_module_the_checkpoint_names(runs, tmp_path):
+def test_eval_and_resume_never_import_a_module_the_checkpoint_names(runs, tmp_path, monkeypatch, fresh_evilmod):
     run_dir = _copy(runs, "cartpole", tmp_path / "run")
     (tmp_path / "evilmod.py").write_text(EVIL)
     marker = tmp_path / "pwned"
@@ -99,13 +106,13 @@ def test_eval_and_resume_never_import_a_module_the_checkpoint_names(runs, tmp_pa
         assert "'evilmod:CartPole-v1'" in text and "--import-module evilmod" in text
         assert not marker.exists(), f"{args[0]} imported evilmod"
 
-    # The user naming another env replaces the stored one: nothing is imported and the policy is evaluated.
-    proc = _cli(["eval", "run", "--episodes", "1", "--env", "CartPole-v1"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    # In-process from here (as importable as under `python -m` in tmp_path): the user naming another env
+    # replaces the stored one, so nothing is imported and the policy is evaluated ...
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["eval", str(run_dir), "--episodes", "1", "--env", "CartPole-v1"]) == 0
     assert not marker.exists()
-    # The way out the error names works (and proves this harness would have seen an import).
-    proc = _cli(["eval", "run", "--episodes", "1", "--import-module", "evilmod"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    # ... and the way out the error names works (which also shows the module was there to be imported).
+    assert main(["eval", str(run_dir), "--episodes", "1", "--import-module", "evilmod"]) == 0
     assert marker.exists()
 
 
@@ -118,7 +125,7 @@ def test_a_stored_this_module_is_refused_without_printing_the_zen(runs, tmp_path
     assert "Traceback" not in proc.stderr
 
 
-def test_python_api_refuses_unless_allowed(runs, tmp_path, monkeypatch):
+def test_python_api_refuses_unless_allowed(runs, tmp_path, monkeypatch, fresh_evilmod):
     run_dir = _copy(runs, "cartpole", tmp_path / "run")
     _rewrite(run_dir, lambda s: s["config"].__setitem__("env_id", "evilmod:CartPole-v1"))
     (tmp_path / "evilmod.py").write_text(EVIL)
@@ -287,3 +294,28 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_exits_non_zero(tmp_path
     assert load_checkpoint(run_dir / CHECKPOINT_NAME)["update"] == 1
     assert not list(run_dir.glob(".*.tmp"))
 
+
+
+# ------------------------------------------------------------------ eval's missing-dependency message
+@pytest.mark.parametrize("text, package", [
+    ('pygame is not installed, run `pip install "gymnasium[classic-control]"`', "pygame"),
+    ('MoviePy is not installed, run `pip install "gymnasium[other]"`', "moviepy"),
+])
+def test_eval_names_the_missing_dependency_and_keeps_its_brackets(runs, tmp_path, capsys, monkeypatch, text, package):
+    import gymnasium as gym
+
+    import ppokit.agent
+
+    run_dir = _copy(runs, "cartpole", tmp_path / "run")
+
+    def missing(*args, **kwargs):
+        raise gym.error.DependencyNotInstalled(text)
+
+    monkeypatch.setattr(ppokit.agent, "evaluate", missing)
+    assert main(["eval", str(run_dir), "--episodes", "1", "--video", str(tmp_path / "v")]) == 2
+    out = _out(capsys)
+    assert out.startswith(f"error: {package} is not installed (pip install 'ppokit[video]')")
+    # Rich markup would swallow "[classic-control]" and "[video]" unless escaped.
+    assert text.split("run ")[1] in out
+    if package == "pygame":
+        assert "moviepy" not in out
