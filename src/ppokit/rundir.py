@@ -162,8 +162,9 @@ def acquire_lock(run_dir: str | os.PathLike) -> tuple[RunLock, str | None]:
             note = _take_over(path, owner)
             continue
         try:
-            os.write(fd, (json.dumps(record) + "\n").encode())  # one write: readers never see half a record
-            os.fsync(fd)
+            # One write, so a reader sees all of the record or none (no fsync: a lock that a crash loses is
+            # one that would have been stale anyway).
+            os.write(fd, (json.dumps(record) + "\n").encode())
         finally:
             os.close(fd)
         _HELD.add(token)
