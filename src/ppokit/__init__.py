@@ -11,6 +11,7 @@ _LAZY = {
     "PPOConfig": "ppokit.config",
     "ConfigError": "ppokit.config",
     "train": "ppokit.trainer",
+    "resume": "ppokit.trainer",
     "Run": "ppokit.trainer",
     "load": "ppokit.agent",
     "Agent": "ppokit.agent",
