@@ -42,6 +42,7 @@ class Hostile(gym.Env):
         self.t = 0  # steps in this episode
         self.calls = 0  # step() calls over the env's life
         self.resets = 0
+        self.evaluating = False
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -54,6 +55,7 @@ class Hostile(gym.Env):
         if self.mode == "raise_eval_reset" and seed is not None and seed > 1000:
             # The evaluation gate resets with seed + 7919 * (update + 1); training resets use the run's seed.
             raise RuntimeError("evaluation reset exploded")
+        self.evaluating = seed is not None and seed > 1000 or self.evaluating
         return self._obs(), {}
 
     def _obs(self):
@@ -61,7 +63,8 @@ class Hostile(gym.Env):
             return "hello"
         if self.mode == "object_obs":
             return np.array([object(), 1.0, 2.0], dtype=object)
-        if self.mode == "shape_obs" or (self.mode == "shape_obs_later" and self.calls >= 5):
+        if self.mode == "shape_obs" or (self.mode == "shape_obs_later" and self.calls >= 5) or (
+                self.mode == "eval_shape_obs" and self.evaluating and self.calls > 0):
             return np.zeros(5, np.float32)
         return np.full(3, 0.1 * (self.t % 5), np.float32)
 
@@ -88,7 +91,7 @@ class Hostile(gym.Env):
 
 MODES = ("raise_step", "raise_reset", "raise_second_reset", "raise_eval_reset", "obs_only_reset", "four_tuple_step",
          "str_obs", "object_obs", "shape_obs", "shape_obs_later", "none_reward", "array_reward", "str_reward",
-         "nan_reward_sometimes", "nan_reward_always")
+         "nan_reward_sometimes", "nan_reward_always", "eval_shape_obs")
 for _mode in MODES:
     _cls = type(f"Hostile_{_mode}", (Hostile,), {"mode": _mode})
     globals()[_cls.__name__] = _cls
@@ -186,7 +189,9 @@ def test_env_error_keeps_an_up_to_date_checkpoint(tmp_path, capsys):
 
 def test_evaluation_env_failure_saves_the_update_just_made(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code, output = train("raise_eval_reset", run_dir, capsys, "--eval-every", "1", "--eval-threshold", "1e9")
+    # save_every 1: the gate runs before the update's regular save, so that save must not be taken as done.
+    code, output = train("raise_eval_reset", run_dir, capsys, "--eval-every", "1", "--eval-threshold", "1e9",
+                         "--save-every", "1")
     line = error_line(output)
     assert code == 1
     assert f"env '{PREFIX}-raise_eval_reset-v0' (env index 0) failed in evaluation reset() at global step 64" \
@@ -194,6 +199,15 @@ def test_evaluation_env_failure_saves_the_update_just_made(tmp_path, capsys):
     assert "RuntimeError: evaluation reset exploded" in line
     assert f"saved the learner state of update 1 to {run_dir / 'checkpoint.pt'}" in line, line
     assert load_checkpoint(run_dir / "checkpoint.pt")["update"] == 1
+
+
+def test_evaluation_env_bad_observation_names_the_evaluation_step(tmp_path, capsys):
+    code, output = train("eval_shape_obs", tmp_path / "run", capsys, "--eval-every", "2", "--eval-threshold", "1e9")
+    line = error_line(output)
+    assert code == 1
+    assert f"env '{PREFIX}-eval_shape_obs-v0' (env index 0) failed in evaluation step() at global step 128: " \
+           "returned observation of shape (5,), expected a float32 array of shape (3,)" in line, line
+    assert "saved the learner state of update 2" in line, line
 
 
 def test_nan_reward_is_counted_and_skipped_not_an_error(tmp_path, capsys):

@@ -200,8 +200,8 @@ def check_obs_batch(obs: Any, num_envs: int, space: Any, env_id: str, phase: str
     return arr.astype(np.float32, copy=False).reshape(num_envs, -1)
 
 
-def check_step_batch(reward: Any, terminated: Any, truncated: Any, num_envs: int, env_id: str,
-                     global_step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def check_step_batch(reward: Any, terminated: Any, truncated: Any, num_envs: int, env_id: str, global_step: int,
+                     phase: str = "step()") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rewards (float64) and terminated/truncated (bool), each ``[N]``, or an ``EnvError`` naming the bad one."""
     out = []
     for name, value, dtype in (("rewards", reward, np.float64), ("terminated", terminated, bool),
@@ -211,7 +211,7 @@ def check_step_batch(reward: Any, terminated: Any, truncated: Any, num_envs: int
         except Exception:  # noqa: BLE001
             arr = np.asarray(None)
         if arr.dtype.kind not in _NUMERIC_KINDS or arr.shape != (num_envs,):
-            raise env_failure(env_id, "step()", global_step, detail=f"returned {name} {_describe_value(value)}, "
+            raise env_failure(env_id, phase, global_step, detail=f"returned {name} {_describe_value(value)}, "
                               f"expected {num_envs} {'floats' if name == 'rewards' else 'bools'} (shape "
                               f"({num_envs},))")
         out.append(arr.astype(dtype, copy=False))
