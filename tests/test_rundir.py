@@ -272,6 +272,29 @@ def test_sigint_handler_sets_a_flag_and_touches_nothing_else():
         signal.signal(signal.SIGINT, old)
 
 
+def test_an_abort_inside_a_checkpoint_write_keeps_the_last_checkpoint_and_exits_130(tmp_path, capsys, monkeypatch):
+    real_save, calls = torch.save, []
+
+    def save_aborted_on_third(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            f.write(b"PK\x03\x04 half a checkpoint")
+            raise KeyboardInterrupt  # the second Ctrl-C, landing inside the write
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_aborted_on_third)
+    d = tmp_path / "run"
+    try:
+        rc = main(["train", *TINY, "--total-timesteps", str(5 * BATCH), "--save-every", "1", "--run-dir", str(d)])
+    except KeyboardInterrupt:
+        rc = "KeyboardInterrupt escaped (a traceback for the user)"
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert rc == 130 and "aborted" in err and "Traceback" not in err
+    assert load_checkpoint(d / "checkpoint.pt")["update"] == 2
+    assert not list(d.glob(".checkpoint.pt.*.tmp")) and not (d / LOCK_NAME).exists()
+
+
 # ------------------------------------------------------------------ item 19: runs/latest, hparams
 def test_runs_latest_is_a_relative_link_to_the_newest_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
