@@ -96,3 +96,18 @@ def test_mode(vector_mode):
     result.stdout.fnmatch_lines(["*vector_mode=envpool needs pip install -e '.[[]envpool]'*"])
     monkeypatch.setenv("PPOKIT_REQUIRE_ALL", "1")
     pytester.runpytest().assert_outcomes(passed=1, errors=1)  # a skip marker acts in setup: an error
+
+
+def test_ci_installs_every_extra_sets_the_variable_and_runs_the_readme_command():
+    import re
+    import tomllib
+
+    root = CONFTEST.parents[1]
+    ci = (root / ".ci" / "run").read_text(encoding="utf-8")
+    extras = set(tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+                 ["optional-dependencies"])
+    installed = re.search(r'pip install -q -e "\.\[([a-z0-9,_-]+)\]"', ci)
+    assert installed and set(installed.group(1).split(",")) == extras
+    assert "export PPOKIT_REQUIRE_ALL=1" in ci and "apt-get install -y -qq chromium" in ci
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert "python3 -m pytest -q\n" in ci and "```bash\npython3 -m pytest -q\n```" in readme
