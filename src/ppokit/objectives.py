@@ -74,8 +74,12 @@ def clipped_surrogate(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, cl
 def past_clip(ratio: Tensor, ratio_clipped: Tensor, advantages: Tensor) -> Tensor:
     """Bool mask of samples whose ratio left the clip range in the improving direction: ``r`` above the range
     with ``A > 0`` or below it with ``A < 0`` (``ratio_clipped = clamp(r, 1-eps, 1+eps)``). There the clipped
-    surrogate is the constant ``clip(r)*A`` and passes no gradient; everywhere else it is ``r*A``."""
-    return ((ratio > ratio_clipped) & (advantages > 0)) | ((ratio < ratio_clipped) & (advantages < 0))
+    surrogate is the constant ``clip(r)*A`` and passes no gradient; everywhere else it is ``r*A``.
+
+    Written as ``(r - clip(r)) * A > 0`` (the two signs agree): three ops instead of seven in the fused
+    update's hot loop. The product only underflows to 0 for ``|A| < ~1e-30``, where r*A's gradient is nil anyway.
+    """
+    return (ratio - ratio_clipped).mul_(advantages) > 0
 
 
 def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_coef: float) -> Tensor:
