@@ -53,18 +53,24 @@ def timed(args: list[str], cwd: str) -> float:
 
 
 def import_breakdown(args: list[str], cwd: str) -> list[tuple[str, float]]:
-    """Cumulative import ms of each top-level package (``torch``, ``matplotlib``, ...) under ``python -X importtime
-    *args``, wherever it was first imported, largest first. They overlap: numpy's time is also inside torch's."""
+    """Import ms of each top-level package (``torch``, ``matplotlib``, ...) under ``python -X importtime *args``,
+    largest first: the cumulative time of every import of one of its modules from outside the package (so
+    ``matplotlib.figure`` imported by ``ppokit.plots`` counts for matplotlib). Packages nest: numpy's time is also
+    inside torch's."""
     proc = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=cwd, env=_env(), capture_output=True,
                           text=True)
-    totals: dict[str, float] = {}
+    entries = []  # (depth, root, cumulative ms); -X importtime prints a module after the modules it imported
     for line in proc.stderr.splitlines():
         if not line.startswith("import time:") or "cumulative" in line:
             continue
         _, cumulative, name = line.split(":", 1)[1].split("|")
-        name = name.strip()
-        if "." not in name and not name.startswith("_"):
-            totals[name] = max(totals.get(name, 0.0), int(cumulative) / 1000.0)
+        depth = (len(name) - len(name.lstrip())) // 2
+        entries.append((depth, name.strip().split(".")[0], int(cumulative) / 1000.0))
+    totals: dict[str, float] = {}
+    for i, (depth, root, ms) in enumerate(entries):
+        parent = next((r for d, r, _ in entries[i + 1:] if d < depth), None)
+        if parent != root and not root.startswith("_"):
+            totals[root] = totals.get(root, 0.0) + ms
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
