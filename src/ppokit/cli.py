@@ -23,12 +23,26 @@ _COMMAND_MODULES = [
 ]
 
 
+def version() -> str:
+    """The installed distribution's version (importlib.metadata), else the package's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ppokit")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        from ppokit import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
         prog="ppokit",
         description="Proximal Policy Optimization: train, evaluate, plan and diagnose PPO runs.",
     )
+    parser.add_argument("--version", action="version", version=f"ppokit {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)

@@ -30,6 +30,10 @@ VECTOR_MODES = ("sync", "async", "native", "envpool")
 # The trust-region guard rails from the PPO lessons: beyond these a run is refused unless marked unsafe.
 SAFE_LIMITS = {"update_epochs": 30, "clip_coef": 0.3}
 
+# Integers must fit torch's and numpy's int64; numpy seeds must fit 32 bits.
+INT_MAX = 2**63 - 1
+SEED_MAX = 2**32 - 1
+
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field and says what to do."""
@@ -60,7 +64,7 @@ class PPOConfig:
     # --- rollout and schedule ---
     num_steps: int = _f(128, "steps T per environment per rollout (batch = num_envs * num_steps)")
     total_timesteps: int = _f(500_000, "total environment steps of the run")
-    learning_rate: float = _f(2.5e-4, "Adam learning rate")
+    learning_rate: float = _f(2.5e-4, "Adam learning rate, in [0, 1]", max=1.0)
     anneal_lr: bool = _f(True, "decay the learning rate linearly to 0 over the run")
     anneal_clip: bool = _f(False, "decay clip_coef linearly to 0 over the run (RL-Zoo's 'lin_' clip)")
     # --- advantages ---
@@ -71,14 +75,17 @@ class PPOConfig:
     algo: str = _f("ppo", "objective: ppo (clipped surrogate), ppo-kl (adaptive KL penalty) or a2c (one step per rollout)")
     num_minibatches: int = _f(4, "minibatches per epoch (must divide num_envs * num_steps)")
     update_epochs: int = _f(4, "epochs K over each rollout")
-    clip_coef: float = _f(0.2, "clip range eps of the surrogate objective")
+    clip_coef: float = _f(0.2, "clip range eps of the surrogate objective, in (0, 10]", max=10.0)
     clip_vloss: bool = _f(True, "clip the value change to +-clip_coef as in PPO2")
-    ent_coef: float = _f(0.01, "entropy bonus coefficient c_e")
-    vf_coef: float = _f(0.5, "value loss coefficient c_v")
-    max_grad_norm: float = _f(0.5, "global gradient-norm clip")
-    target_kl: float | None = _f(None, "stop the update's epochs when approx KL > 1.5 * target_kl (none: never)")
-    init_kl_beta: float = _f(1.0, "ppo-kl: initial KL penalty coefficient beta")
-    kl_target: float = _f(0.01, "ppo-kl: target KL of the adaptive penalty (beta x2 above 2x, /2 below 1/2x)")
+    # Upper bounds ("max") are far beyond any useful value: they catch typos such as 1e308, not tuning choices.
+    ent_coef: float = _f(0.01, "entropy bonus coefficient c_e, in [0, 1000]", max=1e3)
+    vf_coef: float = _f(0.5, "value loss coefficient c_v, in [0, 1000]", max=1e3)
+    max_grad_norm: float = _f(0.5, "global gradient-norm clip, in (0, 1e9]", max=1e9)
+    target_kl: float | None = _f(None, "stop the update's epochs when approx KL > 1.5 * target_kl, in (0, 100] "
+                                 "(none: never)", max=100.0)
+    init_kl_beta: float = _f(1.0, "ppo-kl: initial KL penalty coefficient beta, in (0, 1e6]", max=1e6)
+    kl_target: float = _f(0.01, "ppo-kl: target KL of the adaptive penalty (beta x2 above 2x, /2 below 1/2x), "
+                          "in (0, 100]", max=100.0)
     # --- network ---
     hidden_sizes: list[int] = _f([64, 64], "hidden layer widths of the actor and critic MLPs, e.g. 64,64")
     activation: str = _f("tanh", "hidden activation: tanh or relu")
@@ -87,18 +94,20 @@ class PPOConfig:
     monitor_clipfrac: bool = _f(True, "monitor the clip fraction every update (required unless --unsafe)")
     unsafe: bool = _f(False, "allow configs outside the safe trust region; the run is stamped unsafe")
     # --- system ---
-    seed: int = _f(1, "random seed")
-    device: str = _f("cpu", "torch device: cpu, cuda, cuda:0, ...")
-    torch_threads: int = _f(1, "torch intra-op threads (1 is fastest for small networks)")
+    seed: int = _f(1, f"random seed, in [0, {SEED_MAX}]")
+    device: str = _f("cpu", "torch device: cpu, cuda, cuda:N or mps (refused when not available here)")
+    torch_threads: int = _f(1, "torch intra-op threads (1 is fastest for small networks; more than the machine's "
+                            "CPU cores are capped at the core count with a warning)")
     fused_update: bool = _f(True, "use the fused MLP update path where it applies (autograd otherwise)")
-    run_dir: str | None = _f(None, "run directory (default: runs/<env>__<seed>__<time>)")
+    run_dir: str | None = _f(None, "run directory (default: runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>)")
     log_every: int = _f(10, "print a metrics table every this many updates")
     save_every: int = _f(50, "write a checkpoint every this many updates (and at the end)")
     tensorboard: bool = _f(True, "write TensorBoard event files")
     # --- evaluation gate (optional early stop once solved) ---
     eval_every: int = _f(0, "every this many updates, evaluate the deterministic policy on a separate env and stop "
                             "once its mean return reaches eval_threshold (0: never evaluate)")
-    eval_threshold: float | None = _f(None, "mean deterministic evaluation return that ends the run (needs eval_every)")
+    eval_threshold: float | None = _f(None, "mean deterministic evaluation return that ends the run (needs "
+                                             "eval_every > 0)")
     eval_episodes: int = _f(16, "episodes per evaluation, run in parallel (one per env of a vectorized env)")
 
     # ---------------------------------------------------------------- derived sizes
@@ -124,16 +133,26 @@ class PPOConfig:
             if not ok:
                 raise ConfigError(name, reason)
 
+        # Types first, strictly (a bool is not an int, a string is not a number), so the range checks below
+        # compare numbers with numbers.
+        for f in dataclasses.fields(self):
+            _coerce(f.name, getattr(self, f.name), strict=True)
         for name in ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs",
                      "torch_threads", "log_every", "save_every"):
             value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-                 f"must be a positive integer, got {value!r}")
+            need(isinstance(value, int) and 1 <= value <= INT_MAX, name,
+                 f"must be a positive integer (at most {INT_MAX}), got {value!r}")
+        need(isinstance(self.seed, int) and 0 <= self.seed <= SEED_MAX, "seed",
+             f"must be an integer in [0, {SEED_MAX}] (numpy's seed range), got {self.seed!r}")
         for name in ("learning_rate", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "gamma", "gae_lambda",
                      "init_kl_beta", "kl_target"):
             value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
-                 f"must be a finite number, got {value!r}")
+            need(math.isfinite(value), name, f"must be a finite number, got {_show(value)}")
+        for f in dataclasses.fields(self):
+            value, top = getattr(self, f.name), f.metadata.get("max")
+            if top is not None and value is not None:
+                need(value <= top, f.name, f"must be <= {top:g} (larger values are a typo, not a setting), "
+                                           f"got {_show(value)}")
         need(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")
         need(0 < self.gamma <= 1, "gamma", f"must be in (0, 1], got {self.gamma}")
         need(0 <= self.gae_lambda <= 1, "gae_lambda", f"must be in [0, 1], got {self.gae_lambda}")
@@ -143,18 +162,21 @@ class PPOConfig:
         need(self.max_grad_norm > 0, "max_grad_norm", f"must be > 0, got {self.max_grad_norm}")
         need(self.init_kl_beta > 0, "init_kl_beta", f"must be > 0, got {self.init_kl_beta}")
         need(self.kl_target > 0, "kl_target", f"must be > 0, got {self.kl_target}")
-        need(isinstance(self.eval_every, int) and not isinstance(self.eval_every, bool) and self.eval_every >= 0,
+        need(isinstance(self.eval_every, int) and 0 <= self.eval_every <= INT_MAX,
              "eval_every", f"must be an integer >= 0 (0 turns the evaluation gate off), got {self.eval_every!r}")
-        need(isinstance(self.eval_episodes, int) and not isinstance(self.eval_episodes, bool)
-             and self.eval_episodes >= 1, "eval_episodes", f"must be a positive integer, got {self.eval_episodes!r}")
+        need(isinstance(self.eval_episodes, int) and 1 <= self.eval_episodes <= INT_MAX, "eval_episodes",
+             f"must be a positive integer, got {self.eval_episodes!r}")
         if self.eval_threshold is not None:
-            need(isinstance(self.eval_threshold, (int, float)) and not isinstance(self.eval_threshold, bool)
-                 and math.isfinite(self.eval_threshold), "eval_threshold",
+            need(math.isfinite(self.eval_threshold), "eval_threshold",
                  f"must be a finite number or none, got {self.eval_threshold!r}")
         need(self.eval_every == 0 or self.eval_threshold is not None, "eval_threshold",
              "must be set when eval_every > 0 (the return at which the evaluation gate stops training)")
+        # A threshold without an evaluation never stops anything; refusing beats silently ignoring it.
+        if self.eval_threshold is not None:
+            need(self.eval_every > 0, "eval_threshold", f"is set ({self.eval_threshold:g}) but eval_every is 0, "
+                 "so no evaluation ever runs; set eval_every (e.g. 10) or remove eval_threshold")
         if self.target_kl is not None:
-            need(isinstance(self.target_kl, (int, float)) and self.target_kl > 0, "target_kl",
+            need(math.isfinite(self.target_kl) and self.target_kl > 0, "target_kl",
                  f"must be > 0 or none, got {self.target_kl!r}")
         need(self.batch_size % self.num_minibatches == 0, "num_minibatches",
              f"{self.num_minibatches} does not divide the batch num_envs * num_steps = {self.batch_size}; "
@@ -163,16 +185,28 @@ class PPOConfig:
         need(self.activation in ACTIVATIONS, "activation", f"must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         need(self.vector_mode in VECTOR_MODES, "vector_mode",
              f"must be one of {', '.join(VECTOR_MODES)}, got {self.vector_mode!r}")
-        need(isinstance(self.hidden_sizes, list) and len(self.hidden_sizes) >= 1
-             and all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in self.hidden_sizes),
-             "hidden_sizes", f"must be a non-empty list of positive integers, got {self.hidden_sizes!r}")
-        need(isinstance(self.env_id, str) and self.env_id != "", "env_id", "must be a non-empty environment id")
-        need(isinstance(self.device, str) and (self.device == "cpu" or self.device.startswith("cuda")
-                                              or self.device == "mps"),
-             "device", f"must be cpu, cuda[:N] or mps, got {self.device!r}")
+        need(len(self.hidden_sizes) >= 1 and all(isinstance(h, int) and 1 <= h <= 1 << 20 for h in self.hidden_sizes),
+             "hidden_sizes", f"must be a non-empty list of integers in [1, {1 << 20}], got {self.hidden_sizes!r}")
+        need(self.env_id != "", "env_id", "must be a non-empty environment id")
+        from .resources import check_device, check_memory, check_run_dir
+
+        check_device(self.device)
+        if self.run_dir is not None:
+            check_run_dir(self.run_dir)
+        # A lower bound (one float per observation) before any environment exists: num_envs = 1e9 must be
+        # refused before a billion environments are built. The trainer repeats it with the real obs size.
+        check_memory(self, obs_dim=1)
         if not self.unsafe:
             self._check_guard_rails()
         return self
+
+    def warnings(self) -> list[str]:
+        """Valid but probably unintended settings, one sentence each (the CLI prints them on stderr)."""
+        out = []
+        if self.total_timesteps < self.batch_size:
+            out.append(f"total_timesteps={self.total_timesteps:,} is less than one batch (num_envs * num_steps = "
+                       f"{self.batch_size:,}): the run trains one batch of {self.batch_size:,} steps")
+        return out
 
     def guard_rail_violations(self) -> list[tuple[str, str]]:
         """The (field, reason) pairs of every trust-region guard rail this config breaks."""
@@ -211,8 +245,12 @@ class PPOConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], base: "PPOConfig | None" = None) -> "PPOConfig":
-        """A config from ``data`` over ``base`` (or the defaults); unknown keys raise ``ConfigError``."""
+    def from_dict(cls, data: dict[str, Any], base: "PPOConfig | None" = None, strict: bool = False) -> "PPOConfig":
+        """A config from ``data`` over ``base`` (or the defaults); unknown keys raise ``ConfigError``.
+
+        Strings are parsed as command-line text (``"1e5"``, ``"64,64"``, ``"true"``) unless ``strict``, where
+        every value must already have its field's type (TOML files: ``num_envs = "12"`` is refused).
+        """
         values = (base or cls()).to_dict()
         known = set(values)
         for key, value in data.items():
@@ -225,7 +263,7 @@ class PPOConfig:
                 close = difflib.get_close_matches(name, sorted(known), n=3)
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 raise ConfigError(name, f"unknown config field{hint}")
-            values[name] = _coerce(name, value)
+            values[name] = _coerce(name, value, strict=strict)
         return cls(**values)
 
     @classmethod
@@ -235,12 +273,28 @@ class PPOConfig:
         if not path.is_file():
             raise ConfigError("config", f"no TOML file at {path}")
         try:
-            data = tomllib.loads(path.read_text())
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError("config", f"{path} is not a UTF-8 TOML file (a binary file? checkpoints are "
+                                        "loaded with --resume or ppokit eval)") from None
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+        try:
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config", f"{path} is not valid TOML: {exc}") from exc
-        if "ppo" in data and isinstance(data["ppo"], dict):
+        tables = [k for k, v in data.items() if isinstance(v, dict) and k not in ("ppo", *cls.field_names())]
+        if tables:
+            raise ConfigError(tables[0], f"unknown table [{tables[0]}] in {path}; ppokit reads flat keys or one "
+                                         "[ppo] table")
+        if isinstance(data.get("ppo"), dict):
+            # One place per key: a top-level key beside [ppo] would otherwise be silently ignored.
+            others = [k for k in data if k != "ppo"]
+            if others:
+                raise ConfigError(others[0], f"{path} has a [ppo] table, so top-level keys are not read; move "
+                                             f"{', '.join(others)} into [ppo]")
             data = data["ppo"]
-        return cls.from_dict(data, base)
+        return cls.from_dict(data, base, strict=True)
 
     def to_toml(self) -> str:
         """The config as TOML text (``target_kl``/``run_dir`` of none are written as comments)."""
@@ -283,42 +337,92 @@ def _field_kind(name: str) -> str:
     return _FIELD_TYPES[name]
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_EXPECTED = {"bool": "true or false", "int": "an integer", "float": "a number", "optfloat": "a number or none",
+             "intlist": "a list of integers (on the command line: comma-separated, e.g. 64,64)",
+             "str": "a string", "optstr": "a string or none"}
+
+
+class _BadValue(Exception):
+    """Raised inside ``_coerce`` when a value does not fit its field's type; carries an optional hint."""
+
+
+def _int(value: Any, text: bool) -> int:
+    """An integer from an int, an integral float (TOML writes 1e6 as a float) or, as text, "12" / "1e5"."""
+    if isinstance(value, bool):
+        raise _BadValue("a bool is not an integer")
+    if isinstance(value, str) and text:
+        try:
+            return int(value)
+        except ValueError:
+            value = float(value)  # "1e5"; ValueError for anything else
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise _BadValue("not a whole finite number")
+        value = int(value)
+    if not isinstance(value, int):
+        raise _BadValue
+    return value
+
+
+def _float(value: Any, text: bool) -> float:
+    if isinstance(value, bool):
+        raise _BadValue("a bool is not a number")
+    if isinstance(value, (int, float)) or (isinstance(value, str) and text):
+        return float(value)  # OverflowError for an int beyond float range, ValueError for bad text
+    raise _BadValue
+
+
+def _coerce(name: str, value: Any, strict: bool = False) -> Any:
+    """Convert a value to field ``name``'s type, or raise ConfigError naming the field.
+
+    Types are strict: a bool is never a number, a float is an int only when whole (``1e5``), and strings are
+    parsed only as command-line text (``strict=False``); ``strict=True`` (TOML, validation) refuses ``"12"``
+    for an int and ``"yes"`` for a bool. Optional fields take none (``"none"`` or ``""`` as text or in TOML).
+    """
     kind = _field_kind(name)
+    text = isinstance(value, str) and not strict
+    raw = value
     try:
         if kind == "bool":
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-                return value.lower() in ("true", "1", "yes", "on")
-            raise ValueError
+            if text and value.strip().lower() in _TRUE + _FALSE:
+                return value.strip().lower() in _TRUE
+            raise _BadValue
         if kind == "int":
-            if isinstance(value, bool):
-                raise ValueError
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+            return _int(value, text)
         if kind == "float":
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if kind == "optfloat":
-            if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return _float(value, text)
+        if kind in ("optfloat", "optstr"):
+            if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
                 return None
-            return float(value)
-        if kind == "optstr":
-            if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
-                return None
-            return str(value)
-        if kind == "intlist":
+            if kind == "optfloat":
+                return _float(value, text)
             if isinstance(value, str):
-                value = [v for v in value.replace(" ", "").split(",") if v]
-            return [int(v) for v in value]
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(name, f"expected {kind.replace('opt', 'optional ').replace('intlist', 'list of ints')}, "
-                                f"got {value!r}") from None
+                return value
+            raise _BadValue
+        if kind == "intlist":
+            if text:
+                parts = [v.strip() for v in value.split(",")]
+                if any(" " in p for p in parts):
+                    raise _BadValue("separate the widths with commas, e.g. 64,64")
+                value = [p for p in parts if p]
+            if not isinstance(value, (list, tuple)):
+                raise _BadValue
+            return [_int(v, isinstance(v, str) and text) for v in value]
+        if isinstance(value, str):
+            return value
+        raise _BadValue
+    except (_BadValue, TypeError, ValueError, OverflowError) as exc:
+        hint = f" ({exc})" if isinstance(exc, _BadValue) and str(exc) else ""
+        raise ConfigError(name, f"expected {_EXPECTED[kind]}, got {_show(raw)}{hint}") from None
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, shortened: a fuzzed 400-digit number need not fill the terminal."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
 
 
 def list_presets() -> list[str]:

@@ -20,10 +20,11 @@ import torch
 from . import checkpoint as ckpt
 from .advantages import gae
 from .buffer import RolloutBuffer
-from .config import PPOConfig
+from .config import ConfigError, PPOConfig
 from .monitor import Monitor
 from .normalize import ObsNormalizer, RewardScaler
 from .objectives import explained_variance
+from .resources import check_memory, usable_threads
 from .policies import ActorCritic, build_policy
 from .update import Batch, UpdateSettings, ppo_update
 from .fused import FlatAdam, fused_ppo_update, supports as fused_supports
@@ -81,11 +82,9 @@ class Trainer:
         from .logger import MetricsLogger
 
         self.config = cfg = config.validate()
-        torch.set_num_threads(cfg.torch_threads)
+        torch.set_num_threads(usable_threads(cfg.torch_threads))  # capped at the core count, with a warning
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            from .config import ConfigError
-
             raise ConfigError("device", "CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
         if cfg.vector_mode != "envpool":  # envpool checks its own task list
             check_env_id(cfg.env_id)
@@ -100,6 +99,11 @@ class Trainer:
         obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
         self.policy = build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation).to(self.device)
         self.obs_dim = self.policy.obs_dim
+        try:  # validate() assumed one float per observation; now the real size is known
+            check_memory(cfg, self.obs_dim)
+        except ConfigError:
+            self.envs.close()
+            raise
         # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
         self.fused = cfg.fused_update and fused_supports(self.policy, cfg.algo)
         if self.fused:

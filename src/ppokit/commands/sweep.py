@@ -16,7 +16,9 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=None,
                    help="return that counts as solved for 'steps to threshold' (default: the env spec's "
                         "reward_threshold; GridWorld: optimum - 0.02)")
-    p.add_argument("--preset", default=None, help="a shipped preset: cartpole, acrobot, pendulum, gridworld")
+    from ppokit.config import list_presets
+
+    p.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(list_presets())}")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file of config fields")
     add_config_flags(p)
 
@@ -37,8 +39,10 @@ def run_experiment(args: argparse.Namespace, sets, compare: bool, bare_labels: b
     """Shared body of sweep/compare: build and validate the grid, train it, write the outputs."""
     from rich.console import Console
 
+    from rich.markup import escape
+
     from ppokit import experiments as ex
-    from ppokit.commands.train import config_from_args
+    from ppokit.commands.train import resolve_config
     from ppokit.config import ConfigError
 
     console = Console()
@@ -49,7 +53,9 @@ def run_experiment(args: argparse.Namespace, sets, compare: bool, bare_labels: b
     try:
         if args.workers is not None and args.workers < 1:
             raise ConfigError("workers", f"must be a positive integer, got {args.workers}")
-        base = config_from_args(args)
+        base, source = resolve_config(args)
+        if source:
+            err.print(escape(source), highlight=False)
         specs = ex.build_grid(base, sets, args.seeds, args.out, bare_labels=bare_labels)
         threshold = args.threshold if args.threshold is not None else ex.default_threshold(base.env_id)
         n_settings = len({s.setting for s in specs})
@@ -57,10 +63,10 @@ def run_experiment(args: argparse.Namespace, sets, compare: bool, bare_labels: b
                       f"{base.total_timesteps:,} steps on {base.env_id} -> {args.out}", highlight=False)
         results = ex.run_grid(specs, workers=args.workers, console=console)
     except ConfigError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     except ValueError as exc:  # environment problems (unknown id, unsupported spaces)
-        err.print(f"[bold red]error:[/] {exc}")
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     except KeyboardInterrupt:
         err.print("interrupted: finished runs are kept; re-run the same command to continue")

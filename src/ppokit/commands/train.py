@@ -22,39 +22,83 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                                help=f"{help_text} (default: {default})")
         else:
             shown = ",".join(map(str, default)) if isinstance(default, list) else default
-            group.add_argument(*flags, dest=f.name, default=None, metavar=f.name.upper(),
-                               help=f"{help_text} (default: {shown})")
+            if "(default:" not in help_text:  # run_dir's help spells out its computed default itself
+                help_text = f"{help_text} (default: {shown})"
+            group.add_argument(*flags, dest=f.name, default=None, metavar=f.name.upper(), help=help_text)
 
 
-def config_from_args(args: argparse.Namespace):
-    """Resolve the config: defaults < preset < --config TOML < flags. No preset and no --config and no --env
-    means the cartpole preset, so that a bare ``ppokit train`` solves CartPole."""
+# Config flags a resumed run accepts: its length. Everything else is the checkpoint's (changing the network, the
+# batch or the objective midway would not be a continuation), so any other flag is refused rather than ignored.
+RESUME_FLAGS = ("total_timesteps",)
+
+
+def resolve_config(args: argparse.Namespace):
+    """``(config, source)``: defaults < preset < --config TOML < flags, and a sentence saying where the base
+    values came from (None for a preset or a file, which the user named).
+
+    No preset, no --config and no --env means the cartpole preset, so that a bare ``ppokit train`` solves
+    CartPole. ``--env X`` alone means the planner's config for X (published settings where known, its rules
+    otherwise; see ``ppokit plan``), not untuned library defaults; flags still override it.
+    """
     from ppokit.config import PPOConfig, load_preset
 
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PPOConfig)
                  if getattr(args, f.name, None) is not None}
     preset = getattr(args, "preset", None)
-    if preset is None and getattr(args, "config", None) is None and "env_id" not in overrides:
+    config_file = getattr(args, "config", None)
+    if preset is None and config_file is None and "env_id" not in overrides:
         preset = "cartpole"
+    if preset is None and config_file is None:
+        return _planned_config(overrides)
     config = PPOConfig()
     if preset:
         config = load_preset(preset, config)
-    if getattr(args, "config", None):
-        config = PPOConfig.from_toml(args.config, config)
+    if config_file:
+        config = PPOConfig.from_toml(config_file, config)
     if overrides:
         config = PPOConfig.from_dict(overrides, config)
-    return config
+    return config, None
+
+
+def _planned_config(overrides: dict):
+    """The planner's config for ``overrides['env_id']`` with the other flags applied (as ``ppokit plan`` does)."""
+    from ppokit.config import PPOConfig, load_preset
+    from ppokit.planner import known_settings, make_plan
+
+    # Type errors in the flags first: they need no environment.
+    flagged = PPOConfig.from_dict(overrides)
+    env_id = flagged.env_id
+    known = known_settings(env_id)
+    if "total_timesteps" in overrides:
+        budget = flagged.total_timesteps
+    elif known is not None and known[2]:
+        budget = load_preset(known[2]).total_timesteps  # the preset's own length, e.g. 100k for CartPole
+    else:
+        budget = PPOConfig().total_timesteps
+    rest = {k: v for k, v in overrides.items() if k not in ("env_id", "total_timesteps")}
+    # Known ids need no probe (their values are published); unknown ones are probed for the rules.
+    plan = make_plan(env_id, budget, rest, probe=known is None)
+    source = (f"config: planner settings for {env_id} ({plan.source}); see ppokit plan --env {env_id} "
+              f"--budget {budget}")
+    return plan.config, source
+
+
+def config_from_args(args: argparse.Namespace):
+    """The resolved config of ``resolve_config`` (without its source line)."""
+    return resolve_config(args)[0]
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train PPO on a Gymnasium environment",
                        description="Train PPO. Config precedence: defaults < --preset < --config FILE < flags. "
-                                   "With no preset, file or --env, trains the cartpole preset.")
+                                   "With no preset, file or --env, trains the cartpole preset; --env X alone "
+                                   "trains the planner's config for X (see ppokit plan).")
     from ppokit.config import list_presets
 
     p.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(list_presets())}")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file of config fields")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint with its saved config; only "
+                        "--total-timesteps (a new length) and --quiet may be given with it")
     p.add_argument("--overwrite", action="store_true",
                    help="train in a run dir that holds a finished or abandoned run, deleting that run's files first "
                         "(without it such a run dir is refused)")
@@ -65,11 +109,26 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    from ppokit.checkpoint import CheckpointError
     from ppokit.config import ConfigError
 
     err = Console(stderr=True)
+    # The config is resolved and validated before torch is imported (1-2 s): a bad value is refused at once.
+    config = source = total = None
+    try:
+        if args.resume:
+            total = _resume_total(args)
+        else:
+            config, source = resolve_config(args)
+            config.validate()
+    except (ConfigError, ValueError) as exc:  # ValueError: an unknown env id met by the planner's probe
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        return 2
+
+    from ppokit.checkpoint import CheckpointError
+    from ppokit.envs.errors import EnvError
+
     try:
         if args.resume:
             from ppokit.trainer import resume
@@ -77,19 +136,25 @@ def run(args: argparse.Namespace) -> int:
             if args.overwrite:
                 raise ConfigError("overwrite", "--overwrite cannot be given with --resume: it would delete the run "
                                                "that --resume continues")
-            total = int(args.total_timesteps) if args.total_timesteps is not None else None
             result = resume(args.resume, total_timesteps=total, console_enabled=not args.quiet)
         else:
             from ppokit.trainer import train
 
-            config = config_from_args(args)
+            if source and not args.quiet:
+                err.print(escape(source), highlight=False, soft_wrap=True)
+            for warning in config.warnings():
+                err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
             result = train(config, console_enabled=not args.quiet, overwrite=args.overwrite)
     except (ConfigError, CheckpointError) as exc:
-        err.print(f"[bold red]error:[/] {exc}")
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
+    except EnvError as exc:
+        # The env raised, or returned what its spaces do not allow; the trainer saved what it could.
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 1
     except ValueError as exc:
         # Environment problems (unknown id, unsupported spaces) surface as ValueError before training starts.
-        err.print(f"[bold red]error:[/] {exc}")
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     except KeyboardInterrupt:
         # The second Ctrl-C (the first one finishes the update and saves): the last checkpoint is intact.
@@ -98,3 +163,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"run dir: {result.run_dir}")
     return 130 if result.interrupted else 0
 
+
+def _resume_total(args: argparse.Namespace) -> int | None:
+    """The new total_timesteps of a resume (parsed like a fresh run's, so 1e5 works); other flags are refused."""
+    from ppokit.config import ConfigError, PPOConfig, _coerce
+
+    given = [f"--{name.replace('_', '-')}" for name in PPOConfig.field_names()
+             if name not in RESUME_FLAGS and getattr(args, name, None) is not None]
+    given += [f"--{name}" for name in ("preset", "config") if getattr(args, name, None) is not None]
+    if given:
+        name = given[0].lstrip("-").replace("-", "_")
+        raise ConfigError(name, f"{', '.join(given)} cannot be given with --resume: a resumed run keeps the config "
+                                "in its checkpoint; --resume accepts only --total-timesteps (and --quiet)")
+    if args.total_timesteps is None:
+        return None
+    total = _coerce("total_timesteps", args.total_timesteps)
+    if total < 1:
+        raise ConfigError("total_timesteps", f"must be a positive integer, got {args.total_timesteps!r}")
+    return total

@@ -1,0 +1,137 @@
+"""What a config asks of this machine: a device it has, a run dir it can create, memory and CPU cores.
+
+``PPOConfig.validate()`` calls the checks before any environment exists (memory with a one-float observation as
+a lower bound, so ``num_envs = 1e9`` is refused before a billion environments are built); the trainer repeats
+``check_memory`` once the observation size is known and caps its torch threads with ``usable_threads``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .config import PPOConfig
+
+__all__ = ["check_device", "check_run_dir", "estimate_memory", "available_memory", "check_memory", "usable_threads"]
+
+# A device string torch understands; availability is checked separately.
+_DEVICE_RE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
+# Linux's NAME_MAX and PATH_MAX, in bytes: longer names fail with ENAMETOOLONG deep inside the first write.
+_NAME_MAX, _PATH_MAX = 255, 4096
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch cannot parse or this machine does not have (torch is imported only when not cpu)."""
+    if not _DEVICE_RE.match(device):
+        raise ConfigError("device", f"must be cpu, cuda, cuda:N or mps, got {device!r}")
+    if device == "cpu":
+        return
+    import torch
+
+    if device == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ConfigError("device", "mps was requested but torch.backends.mps.is_available() is False "
+                                        "(Apple-silicon builds only); use --device cpu")
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("device", f"{device} was requested but torch.cuda.is_available() is False; "
+                                    "use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError("device", f"{device} was requested but this machine has {torch.cuda.device_count()} "
+                                    "CUDA device(s) (cuda:0 ...)")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Refuse a run dir that cannot become a directory: an existing file, a too-long name, an unwritable parent."""
+    if run_dir.strip() == "" or "\0" in run_dir:
+        raise ConfigError("run_dir", f"must be a directory path, got {run_dir!r}")
+    path = Path(run_dir)
+    if len(os.fsencode(run_dir)) > _PATH_MAX:
+        raise ConfigError("run_dir", f"the path is longer than {_PATH_MAX} bytes")
+    for part in path.parts:
+        if len(os.fsencode(part)) > _NAME_MAX:
+            raise ConfigError("run_dir", f"the name {part[:40]!r}... is longer than {_NAME_MAX} bytes, the "
+                                         "file-system limit for one path component")
+    if path.exists() and not path.is_dir():
+        raise ConfigError("run_dir", f"{run_dir} exists and is not a directory (a file or a device)")
+    ancestor = path.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError("run_dir", f"{ancestor} is a file, so {run_dir} cannot be created below it")
+    if not path.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError("run_dir", f"cannot create {run_dir}: {ancestor} is not writable")
+
+
+# Rough resident cost of one environment: a Python object (sync/native; CartPole is ~10 KB, keep a margin)
+# or a whole worker process with gymnasium imported (async).
+_ENV_BYTES = {"async": 64 << 20}
+_ENV_BYTES_DEFAULT = 64 << 10
+
+
+def estimate_memory(config: "PPOConfig", obs_dim: int) -> int:
+    """Bytes a run needs beyond the interpreter, roughly: rollout storage plus the environments.
+
+    Per transition the buffer holds the observation (twice: storage and the update's normalized copy), the
+    action and about 8 floats (log-prob, value, reward, advantage, return, flags), 4 bytes each.
+    """
+    per_sample = (2 * obs_dim + 2 + 8) * 4
+    env_bytes = _ENV_BYTES.get(config.vector_mode, _ENV_BYTES_DEFAULT)
+    return (config.num_steps * config.num_envs * per_sample + config.num_envs * env_bytes
+            + config.eval_episodes * (_ENV_BYTES_DEFAULT + obs_dim * 4))
+
+
+def available_memory(device: str = "cpu") -> int | None:
+    """Bytes available now: the GPU's free memory for cuda, else MemAvailable from /proc/meminfo (else sysconf)."""
+    if device.startswith("cuda"):
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        except Exception:  # noqa: BLE001 - no answer means no check, never a crash
+            return None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(config: "PPOConfig", obs_dim: int) -> None:
+    """Raise ``ConfigError`` when the run's estimated memory exceeds what the machine has available."""
+    need = estimate_memory(config, obs_dim)
+    have = available_memory(config.device)
+    if have is None or need <= have:
+        return
+    name = "num_envs" if config.num_envs >= config.num_steps else "num_steps"
+    if config.eval_episodes > config.num_envs * config.num_steps:
+        name = "eval_episodes"
+    raise ConfigError(name, f"num_envs * num_steps = {config.num_envs:,} x {config.num_steps:,} transitions of "
+                            f"{obs_dim} observation floats ({config.num_envs:,} envs, {config.eval_episodes:,} "
+                            f"evaluation envs) need about {need / 2**30:,.1f} GiB, more than the "
+                            f"{have / 2**30:,.1f} GiB available on {config.device}; lower num_envs or num_steps")
+
+
+def usable_threads(requested: int) -> int:
+    """``requested`` capped at the machine's CPU cores (more threads than cores only contend; torch crashes at
+    very large counts), with a warning on stderr when capped."""
+    cores = os.cpu_count() or 1
+    if requested <= cores:
+        return requested
+    print(f"warning: torch_threads={requested:,} is more than this machine's {cores} CPU cores; using {cores}",
+          file=sys.stderr)
+    return cores
