@@ -34,6 +34,22 @@ def ppokit_commands() -> list[list[str]]:
     return commands
 
 
+def docs_commands() -> list[tuple[str, list[str]]]:
+    """``(file, argv)`` of each example ``ppokit ...`` (or ``$ ppokit ...``) line in the code blocks of docs/*.md,
+    backslash continuations joined; a usage synopsis (``[--out FILE]``, ``ENV_ID``) is not an example."""
+    commands = []
+    for doc in sorted(README.parent.glob("docs/*.md")):
+        for _, body in FENCE.findall(doc.read_text(encoding="utf-8")):
+            lines = body.replace("\\\n", " ").splitlines()
+            # A block with "$ " prompts mixes commands and their output: only the prompted lines are commands.
+            if any(line.startswith("$ ") for line in lines):
+                lines = [line[2:] for line in lines if line.startswith("$ ")]
+            for line in lines:
+                if line.startswith("ppokit ") and "[" not in line and not re.search(r"\b[A-Z_]{4,}\b", line):
+                    commands.append((doc.name, shlex.split(line, comments=True)[1:]))
+    return commands
+
+
 def subparsers() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -54,6 +70,15 @@ def test_every_ppokit_command_line_parses(argv, capsys):
         pytest.fail(f"README command `ppokit {shlex.join(argv)}` does not parse: {capsys.readouterr().err.strip()}"
                     f" (exit {exc.code})")
     assert hasattr(args, "handler"), f"`ppokit {shlex.join(argv)}` names no subcommand"
+
+
+@pytest.mark.parametrize("doc,argv", docs_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v[:3]))
+def test_every_ppokit_command_in_the_docs_parses(doc, argv, capsys):
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"{doc}: `ppokit {shlex.join(argv)}` does not parse: {capsys.readouterr().err.strip()} "
+                    f"(exit {exc.code})")
 
 
 def test_the_cheap_commands_run(tmp_path, monkeypatch):
