@@ -98,6 +98,17 @@ def test_clip_never_fires_needs_the_condition_to_persist():
     assert "clip_never_fires" not in fired(Monitor(), seq)
 
 
+def test_a_converged_near_deterministic_policy_that_stops_moving_is_not_flagged():
+    # The GridWorld preset at its optimum: entropy far below its start, constant advantages normalize to 0, KL ~1e-8.
+    still = {"diag/clipfrac": 0.0, "diag/approx_kl": 1e-8}
+    start = [healthy(0, **{"diag/entropy": 1.38})]
+    converged = [healthy(i, **still, **{"diag/entropy": 0.03}) for i in range(1, 12)]
+    assert "clip_never_fires" not in fired(Monitor(), start + converged)
+    # The same stillness at an entropy that has not collapsed is the problem the rule is for.
+    stuck = [healthy(i, **still, **{"diag/entropy": 1.2}) for i in range(1, 12)]
+    assert "clip_never_fires" in fired(Monitor(), start + stuck)
+
+
 def test_clip_never_fires_uses_the_kl_after_the_update_when_logged():
     # A2C's in-update KL is taken before its only step (always 0); the KL after the update shows the movement.
     a2c = {"diag/clipfrac": 0.0, "diag/approx_kl": 0.0}
@@ -187,6 +198,18 @@ def test_rate_limit_per_rule():
 def test_unknown_threshold_is_rejected():
     with pytest.raises(ValueError, match="kl_wran"):
         Monitor(thresholds={"kl_wran": 0.1})
+
+
+def test_clip_never_fires_stays_quiet_on_the_gridworld_preset_run(tmp_path):
+    # Solved within a few updates; later rollouts are all optimal and the policy stops moving (KL ~1e-8).
+    from ppokit.config import load_preset
+    from ppokit.trainer import train
+
+    cfg = load_preset("gridworld")
+    cfg.tensorboard, cfg.run_dir = False, str(tmp_path / "grid")
+    run = train(cfg, console_enabled=False)
+    assert run.metrics[-1]["charts/episodic_return"] > 0.9
+    assert "clip_never_fires" not in {a["name"] for a in run.alerts}
 
 
 @pytest.mark.parametrize("learning_rate,expected", [(2.5e-4, []), (0.0, [("clip_never_fires", "alert")])])

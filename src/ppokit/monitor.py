@@ -14,7 +14,8 @@ Rules (thresholds in ``THRESHOLDS``):
 - ``kl_high`` (warn, KL > 0.02) / ``kl_blowup`` (alert, KL > 0.1).
 - ``clip_never_fires``: the policy does not move: for ``clipfrac_patience`` updates the clip fraction is below
   ``CLIPFRAC_NEVER_FIRES`` (1e-3) AND approx KL is below ``KL_NEGLIGIBLE`` (1e-6), except in the tail of an
-  annealed learning-rate schedule (LR below 10% of its start), where a vanishing step is expected. A clip
+  annealed learning-rate schedule (LR below 10% of its start) and once the entropy has collapsed (a converged,
+  near-deterministic policy: the GridWorld preset at its optimum), where a vanishing step is expected. A clip
   fraction of exactly 0 alone is common in healthy runs (CartPole with the library defaults: clip fraction 0 on
   every update while the return climbs, KL 1e-5 to 4e-4), so the clip fraction alone cannot tell "small steps"
   from "no steps"; a KL under 1e-6 (log-ratios of ~0.1%) can. With a learning rate of 0 it is an alert.
@@ -205,7 +206,10 @@ class Monitor:
                                               "rate is 0: the policy cannot change; set learning_rate > 0",
                                               {"clipfrac": clipfrac, "approx_kl": kls[-1], "learning_rate": lr}))
             elif (all(_finite(k) and k < t["kl_negligible"] for k in kls)
-                  and not (self._first_lr and _finite(lr) and lr < t["lr_tail_frac"] * self._first_lr)):
+                  and not (self._first_lr and _finite(lr) and lr < t["lr_tail_frac"] * self._first_lr)
+                  # A near-deterministic policy barely moves by nature (saturated probabilities, and on a solved
+                  # task constant advantages normalize to 0); entropy_collapse reports that state.
+                  and not self._collapse_rule(_num(m, "diag/entropy"))):
                 self._fire(out, update, Alert("warn", "clip_never_fires",
                                               f"clip fraction < {t['clipfrac_low']} and approx KL < "
                                               f"{t['kl_negligible']:g} for {p} updates: the policy does not move; "
@@ -249,17 +253,22 @@ class Monitor:
         if self._first_entropy is None:
             self._first_entropy = ent
             return
-        kind = self.action_kind or ("continuous" if self._saw_negative_entropy else "discrete")
-        h0, t = self._first_entropy, self.t
-        if kind == "continuous":
-            drop = t["entropy_collapse_nats_per_dim"] * self.action_dim
-            collapsed = h0 - ent > drop
-            rule = f"more than {drop:g} nats below its start"
-        else:
-            collapsed = h0 > 0 and ent < t["entropy_collapse_frac"] * h0
-            rule = f"below {t['entropy_collapse_frac']:.0%} of its start"
-        if collapsed:
+        rule = self._collapse_rule(ent)
+        if rule:
+            h0 = self._first_entropy
             self._fire(out, update, Alert("warn", "entropy_collapse",
                                           f"entropy {ent:.4g} fell {rule} ({h0:.4g}): the policy became "
                                           "near-deterministic; if the return is not at its optimum, raise ent_coef "
                                           "or lower learning_rate", {"entropy": ent, "entropy_start": h0}))
+
+    def _collapse_rule(self, ent: float) -> str | None:
+        """The collapse rule ``ent`` breaks (for the message), or None while the entropy has not collapsed."""
+        if self._first_entropy is None or not _finite(ent):
+            return None
+        kind = self.action_kind or ("continuous" if self._saw_negative_entropy else "discrete")
+        h0, t = self._first_entropy, self.t
+        if kind == "continuous":
+            drop = t["entropy_collapse_nats_per_dim"] * self.action_dim
+            return f"more than {drop:g} nats below its start" if h0 - ent > drop else None
+        frac = t["entropy_collapse_frac"]
+        return f"below {frac:.0%} of its start" if h0 > 0 and ent < frac * h0 else None
