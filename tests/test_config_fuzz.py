@@ -379,3 +379,10 @@ def test_help_texts_show_the_real_run_dir_layout_and_every_preset(capsys, monkey
         text = capsys.readouterr().out
         line = next(ln for ln in text.splitlines() if "--preset PRESET" in ln and "shipped" in ln)
         assert all(p in line for p in list_presets()), line
+
+
+def test_sweep_refuses_an_absurd_number_of_runs_before_building_the_grid(tmp_path, capsys):
+    out = tmp_path / "sw"
+    assert main(["sweep", "--preset", "gridworld", "--set", "gamma=0.9,0.99", "--seeds", "5001", "--out", str(out)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'seeds'" in err and "10,002 runs" in err and not out.exists()

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 
 
+# More runs than this in one sweep is a typo (each is a full training run), not an experiment.
+MAX_RUNS = 10_000
+
+
 def add_common_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``sweep`` and ``compare``: seeds, output, workers, threshold, preset/config and config flags."""
     from ppokit.commands.train import add_config_flags
@@ -37,8 +41,9 @@ def add_parser(sub) -> None:
 
 def run_experiment(args: argparse.Namespace, sets, compare: bool, bare_labels: bool) -> int:
     """Shared body of sweep/compare: build and validate the grid, train it, write the outputs."""
-    from rich.console import Console
+    import math
 
+    from rich.console import Console
     from rich.markup import escape
 
     from ppokit import experiments as ex
@@ -53,6 +58,10 @@ def run_experiment(args: argparse.Namespace, sets, compare: bool, bare_labels: b
     try:
         if args.workers is not None and args.workers < 1:
             raise ConfigError("workers", f"must be a positive integer, got {args.workers}")
+        n_runs = math.prod(len(values) for _, values in sets) * max(args.seeds, 1)
+        if n_runs > MAX_RUNS:  # checked before the grid is built: --seeds 1e9 would fill memory with specs
+            raise ConfigError("seeds", f"{n_runs:,} runs (settings x --seeds) is more than {MAX_RUNS:,}; "
+                                       "sweep fewer values or seeds")
         base, source = resolve_config(args)
         if source:
             err.print(escape(source), highlight=False)
