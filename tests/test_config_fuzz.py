@@ -386,3 +386,13 @@ def test_sweep_refuses_an_absurd_number_of_runs_before_building_the_grid(tmp_pat
     assert main(["sweep", "--preset", "gridworld", "--set", "gamma=0.9,0.99", "--seeds", "5001", "--out", str(out)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "'seeds'" in err and "10,002 runs" in err and not out.exists()
+
+
+def test_an_envpool_task_the_planner_cannot_probe_keeps_the_library_defaults(fake_train, capsys, monkeypatch):
+    def no_probe(*a, **kw):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr("ppokit.planner.probe_env", no_probe)
+    assert main(["train", "--env", "Pong-v5", "--vector-mode", "envpool", "--num-envs", "8"]) == 0
+    assert fake_train[0] == PPOConfig(env_id="Pong-v5", vector_mode="envpool", num_envs=8)
+    assert "library defaults for Pong-v5" in " ".join(capsys.readouterr().err.split())

@@ -76,6 +76,10 @@ def _planned_config(overrides: dict):
     else:
         budget = PPOConfig().total_timesteps
     rest = {k: v for k, v in overrides.items() if k not in ("env_id", "total_timesteps")}
+    if known is None and flagged.vector_mode == "envpool":
+        # envpool's task ids are not Gymnasium ids, so the planner cannot probe them: the defaults it is.
+        return (flagged.validate(), f"config: library defaults for {env_id} (the planner cannot probe an "
+                                    "envpool task; pass --preset or --config to tune it)")
     # Known ids need no probe (their values are published); unknown ones are probed for the rules.
     plan = make_plan(env_id, budget, rest, probe=known is None)
     source = (f"config: planner settings for {env_id} ({plan.source}); see ppokit plan --env {env_id} "
