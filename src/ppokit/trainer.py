@@ -20,6 +20,7 @@ import torch
 from . import checkpoint as ckpt
 from .advantages import gae
 from .buffer import RolloutBuffer
+from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, checked_reset, env_failure
 from .config import ConfigError, PPOConfig
 from .monitor import Monitor
 from .normalize import ObsNormalizer, RewardScaler
@@ -156,9 +157,8 @@ class Trainer:
                     "This run was started with --unsafe; it breaks these guard rails:\n"
                     + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
 
-            raw_obs, _ = self.envs.reset(seed=cfg.seed)
+            self.next_obs_raw = checked_reset(self.envs, cfg.env_id, cfg.num_envs, cfg.seed)
             self.envs.action_space.seed(cfg.seed)
-            self.next_obs_raw = np.asarray(raw_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
             if resume_state is not None:
                 self._load_state(resume_state)
                 # What the killed run logged after its checkpoint is logged again from here: drop the old copy.
@@ -279,6 +279,9 @@ class Trainer:
         ep_lengths: list[np.ndarray] = []
         nonfinite = 0
         N = cfg.num_envs
+        obs_space = self.envs.single_observation_space
+        obs_shape = (N, *obs_space.shape)
+        rollout_start = self.global_step  # the step count the last update's state belongs to
         act = self.optimizer.kernel.act if self.fused else self.policy.act
         obs = self._normalize_obs(torch.as_tensor(self.next_obs_raw, device=dev), update=False)
         buf.has_final.zero_()
@@ -300,7 +303,19 @@ class Trainer:
                 env_actions = np.clip(env_actions, self.action_low, self.action_high)
             t1 = time.perf_counter()
             t_inference += t1 - t0
-            next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
+            try:
+                next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
+            except Exception as exc:  # noqa: BLE001 - any env failure ends the run with one clear line
+                raise self._env_failed("step()", rollout_start, exc) from exc
+            # The hot path only tests shape and dtype kind of arrays converted anyway; the checks that say what
+            # is wrong (a str/object observation, another shape, an array reward) run only when that test fails.
+            if not (type(next_obs) is np.ndarray and next_obs.shape == obs_shape and next_obs.dtype.kind in "biuf"):
+                next_obs = self._checked(check_obs_batch, next_obs, N, obs_space, cfg.env_id, "step()",
+                                         self.global_step, rollout_start=rollout_start)
+            if not (batch_ok(reward, N) and batch_ok(terminated, N) and batch_ok(truncated, N)):
+                reward, terminated, truncated = self._checked(check_step_batch, reward, terminated, truncated, N,
+                                                              cfg.env_id, self.global_step,
+                                                              rollout_start=rollout_start)
             self.global_step += cfg.num_envs
 
             next_obs = np.asarray(next_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
@@ -344,10 +359,16 @@ class Trainer:
                 # SAME_STEP autoreset: next_obs is already the new episode's; bootstrap from the true final obs.
                 idx = np.flatnonzero(truncated)
                 final_obs = info["final_obs"]
-                if isinstance(final_obs, np.ndarray) and final_obs.dtype != object:
-                    final = final_obs[idx].astype(np.float32).reshape(len(idx), -1)  # a batched env's array
-                else:
-                    final = np.stack([np.asarray(final_obs[i], dtype=np.float32).reshape(-1) for i in idx])
+                try:
+                    if isinstance(final_obs, np.ndarray) and final_obs.dtype != object:
+                        final = final_obs[idx].astype(np.float32).reshape(len(idx), -1)  # a batched env's array
+                    else:
+                        final = np.stack([np.asarray(final_obs[i], dtype=np.float32).reshape(-1) for i in idx])
+                    if final.shape[1] != self.obs_dim:
+                        raise ValueError(f"final observations of {final.shape[1]} values, expected {self.obs_dim}")
+                except Exception as exc:  # noqa: BLE001
+                    raise self._env_failed("step()", rollout_start, exc,
+                                           detail=f"info['final_obs'] of a truncated episode is unusable: {exc}")
                 final = np.where(np.isfinite(final), final, 0.0).astype(np.float32)
                 final_t = self._normalize_obs(torch.as_tensor(final, device=dev), update=False)
                 with torch.inference_mode():
@@ -356,6 +377,11 @@ class Trainer:
                 buf.final_values[t, idx_t] = fv
                 buf.has_final[t, idx_t] = True
             self.next_obs_raw = next_obs
+        if nonfinite and not host[3].any():
+            # Every step was NaN/Inf (a None reward becomes NaN in a vector env): nothing to train on.
+            raise self._env_failed("step()", rollout_start, detail=(
+                f"every step of this rollout had a NaN/Inf/None reward or observation ({nonfinite} steps); "
+                "nothing to train on"))
         host_t = torch.as_tensor(host, device=dev)
         if self.reward_scaler is None:
             buf.rewards.copy_(host_t[0])
@@ -370,6 +396,52 @@ class Trainer:
         self.perf["env"] += time.perf_counter() - t_start - t_inference
         return episodes, nonfinite
 
+    def _checked(self, check, *args, rollout_start: int):
+        """``check(*args)`` (a function of ``envs.errors``), turning its EnvError into the end of the run."""
+        try:
+            return check(*args)
+        except EnvError as exc:
+            raise self._env_failed("step()", rollout_start, exc) from None
+
+    def _env_failed(self, phase: str, rollout_start: int, exc: BaseException | None = None,
+                    detail: str | None = None, unsaved: bool | None = None, envs: Any = None) -> EnvError:
+        """The EnvError that ends the run, after saving the learner state the last checkpoint lacks.
+
+        The learner (policy, optimizer, normalizers, counters) is as the last update left it; the env is not
+        trusted, so its state is left out (a resume starts fresh episodes) and the step count is the one at the
+        start of the failed rollout, so the checkpoint's update and step agree. If that save fails for any
+        reason, the previous checkpoint stays as it is.
+        """
+        cfg = self.config
+        error = env_failure(cfg.env_id, phase, self.global_step, exc, self.envs if envs is None else envs, detail)
+        if unsaved is None:  # after an update, step 5 of the loop saved it when update % save_every == 0
+            unsaved = self.update_idx > 0 and self.update_idx % cfg.save_every != 0
+        path = self.run_dir / CHECKPOINT_NAME
+        if unsaved:
+            failed_step = self.global_step
+            self.global_step = rollout_start  # the step count this learner state belongs to
+            try:
+                # The env's state is left out: a resume starts fresh episodes.
+                self.save({**self.state(), "env_state": None})
+                note = f"saved the learner state of update {self.update_idx} to {path}"
+            except Exception as save_exc:  # noqa: BLE001 - the env error is the one to report
+                note = f"could not save the learner state ({type(save_exc).__name__}); the previous checkpoint stays"
+            finally:
+                self.global_step = failed_step
+        elif self.update_idx == 0:
+            note = "no update had finished, so there is no checkpoint"
+        elif path.exists():
+            note = f"the checkpoint of update {self.update_idx} in {path} is up to date"
+        else:
+            note = "no checkpoint could be written"
+        error = EnvError(f"{error}; {note}")
+        # On record for doctor/report; closing the logger and envs is left to run()'s exception path.
+        try:
+            self.logger.alert(self.global_step, "alert", "env_error", str(error))
+        except Exception:  # noqa: BLE001 - the env error is the news, not a failed alert write
+            pass
+        return error
+
     def evaluate_gate(self) -> float:
         """Mean return of one deterministic episode in each of ``eval_episodes`` envs of a separate vector env."""
         from .envs import make_vec_env
@@ -382,16 +454,32 @@ class Trainer:
             mode = "native" if spec.vector_entry_point is not None else "sync"
             self._eval_envs = make_vec_env(cfg.env_id, n, None, mode)
         actor = self.optimizer.kernel.actor_head if self.fused else self.policy.actor  # no critic, no log-prob
-        obs, _ = self._eval_envs.reset(seed=cfg.seed + 7919 * (self.update_idx + 1))
+        eval_space = self._eval_envs.single_observation_space
+
+        def failed(phase: str, exc: BaseException) -> EnvError:
+            # The update just made is not saved yet (step 5 of the loop comes after the gate).
+            return self._env_failed(phase, self.global_step, exc, unsaved=True, envs=self._eval_envs)
+
+        try:
+            obs, _ = self._eval_envs.reset(seed=cfg.seed + 7919 * (self.update_idx + 1))
+            obs = check_obs_batch(obs, n, eval_space, cfg.env_id, "evaluation reset()", self.global_step)
+        except Exception as exc:  # noqa: BLE001
+            raise failed("evaluation reset()", exc) from exc
         total, running = np.zeros(n), np.ones(n, dtype=bool)
         for _ in range(spec.max_episode_steps or 100_000):
-            obs_t = torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(n, -1), device=self.device)
+            obs_t = torch.as_tensor(obs, device=self.device)
             with torch.inference_mode():
                 actions = self.policy.sample(actor(self._normalize_obs(obs_t, update=False)), deterministic=True)
             actions = actions.cpu().numpy()
             if self.action_kind == "continuous":
                 actions = np.clip(actions, self.action_low, self.action_high)
-            obs, reward, terminated, truncated, _ = self._eval_envs.step(actions)
+            try:
+                obs, reward, terminated, truncated, _ = self._eval_envs.step(actions)
+                obs = check_obs_batch(obs, n, eval_space, cfg.env_id, "evaluation step()", self.global_step)
+                reward, terminated, truncated = check_step_batch(reward, terminated, truncated, n, cfg.env_id,
+                                                                 self.global_step, "evaluation step()")
+            except Exception as exc:  # noqa: BLE001
+                raise failed("evaluation step()", exc) from exc
             # Only each env's first episode counts; whatever follows an autoreset is ignored.
             total += np.where(running, np.asarray(reward, dtype=np.float64), 0.0)
             running &= ~(np.asarray(terminated, dtype=bool) | np.asarray(truncated, dtype=bool))
@@ -506,8 +594,8 @@ class Trainer:
             if self.metrics:
                 from .plots import plot_curves
 
-                plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png", alerts=self.logger.alerts,
-                            title=("UNSAFE run: " if self.config.unsafe else "") + self.config.env_id)
+                # Titled by plots.run_title: env id, algo, seed and run dir name ("UNSAFE run:" first if unsafe).
+                plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png", alerts=self.logger.alerts)
         finally:
             try:
                 self.logger.summary(lines)
@@ -568,12 +656,13 @@ class Trainer:
             "spaces": spaces_record(self.envs.single_observation_space, self.envs.single_action_space),
         }
 
-    def save(self) -> Path:
-        """Write the checkpoint atomically into the run dir; a failed write raises CheckpointError, old file kept."""
+    def save(self, state: dict[str, Any] | None = None) -> Path:
+        """Write ``state`` (default: the full train state) atomically into the run dir; a failed write raises
+        CheckpointError and keeps the old file."""
         path = self.run_dir / CHECKPOINT_NAME
         # NaN/Inf is refused in the learner only: env buffers may hold what the env emitted (those steps are
         # skipped in training), and refusing them would lose the run at its next save.
-        ckpt.save_checkpoint(path, self.state(), finite=ckpt.LEARNER_KEYS)
+        ckpt.save_checkpoint(path, self.state() if state is None else state, finite=ckpt.LEARNER_KEYS)
         return path
 
     def _load_state(self, state: dict[str, Any]) -> None:
