@@ -116,6 +116,36 @@ def test_eval_and_resume_never_import_a_module_the_checkpoint_names(runs, tmp_pa
     assert marker.exists()
 
 
+def test_a_config_file_never_imports_a_module_and_import_module_opens_config_and_resume(runs, tmp_path):
+    """A --config file is a file too: its module:Env id is refused unless the user names the module."""
+    (tmp_path / "evilmod.py").write_text(EVIL + "import gymnasium\ngymnasium.register('Evil-v0', "
+                                         "entry_point='gymnasium.envs.classic_control:CartPoleEnv', "
+                                         "max_episode_steps=50)\n")
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil.toml").write_text('env_id = "evilmod:Evil-v0"\nnum_envs = 2\nnum_steps = 16\n'
+                                        'num_minibatches = 2\nupdate_epochs = 1\ntotal_timesteps = 64\n'
+                                        'tensorboard = false\n')
+    proc = _cli(["train", "--config", "evil.toml", "--run-dir", "r1", "--quiet"], tmp_path)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text and "--import-module evilmod" in text
+    assert not marker.exists(), "a --config file imported its env id's module"
+
+    # Named by the user: the module is imported, the run trains, and its resume needs the same permission.
+    proc = _cli(["train", "--config", "evil.toml", "--run-dir", "r1", "--quiet", "--import-module", "evilmod"],
+                tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert marker.exists()
+    marker.unlink()
+    proc = _cli(["train", "--resume", "r1", "--total-timesteps", "128", "--quiet"], tmp_path)
+    assert proc.returncode == 2 and "--import-module evilmod" in proc.stdout + proc.stderr
+    assert not marker.exists()
+    proc = _cli(["train", "--resume", "r1", "--total-timesteps", "128", "--quiet", "--import-module", "evilmod"],
+                tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert marker.exists()
+
+
 def test_a_stored_this_module_is_refused_without_printing_the_zen(runs, tmp_path):
     run_dir = _copy(runs, "cartpole", tmp_path / "run")
     _rewrite(run_dir, lambda s: s["config"].__setitem__("env_id", "this:CartPole-v1"))

@@ -89,6 +89,20 @@ class Hostile(gym.Env):
         return self._obs(), reward, False, self.t >= 20, {}
 
 
+class RaisingConstructor(Hostile):
+    def __init__(self):
+        raise RuntimeError("constructor exploded")
+
+
+class RaisingClose(Hostile):
+    def close(self):
+        raise RuntimeError("close exploded")
+
+
+for _cls in (RaisingConstructor, RaisingClose):
+    if f"{PREFIX}-{_cls.__name__}-v0" not in gym.registry:
+        gym.register(id=f"{PREFIX}-{_cls.__name__}-v0", entry_point=_cls, disable_env_checker=True)
+
 MODES = ("raise_step", "raise_reset", "raise_second_reset", "raise_eval_reset", "obs_only_reset", "four_tuple_step",
          "str_obs", "object_obs", "shape_obs", "shape_obs_later", "none_reward", "array_reward", "str_reward",
          "nan_reward_sometimes", "nan_reward_always", "eval_shape_obs")
@@ -264,3 +278,28 @@ def test_async_workers_failure_is_one_line_too(tmp_path, capsys):
     assert code == 1
     assert f"env '{PREFIX}-str_obs-v0' failed in reset() at global step 0: raised ValueError: could not convert " \
            "string to float: 'hello'" in line, line
+
+
+def test_env_raising_while_the_planner_probes_it_is_one_line(tmp_path, capsys):
+    # A bare --env (no preset or file) plans the config first, which steps the env: that probe fails cleanly too.
+    Hostile.created = 0
+    code = main(["train", "--env", f"{PREFIX}-raise_reset-v0", "--total-timesteps", "640", "--quiet",
+                 "--run-dir", str(tmp_path / "run")])
+    line = error_line(capsys.readouterr().err)
+    assert code == 1
+    assert f"env '{PREFIX}-raise_reset-v0'" in line and "planner probe" in line and "reset exploded" in line, line
+
+
+def test_env_whose_constructor_raises_is_one_line(tmp_path, capsys):
+    code, output = train("RaisingConstructor", tmp_path / "run", capsys)
+    line = error_line(output)
+    assert code == 1
+    assert "failed in make()" in line and "RuntimeError: constructor exploded" in line, line
+
+
+def test_env_whose_close_raises_costs_a_warning_not_the_run(tmp_path, capsys):
+    code, output = train("RaisingClose", tmp_path / "run", capsys)
+    assert code == 0, output
+    assert "Traceback" not in output
+    assert "raised in close(): RuntimeError: close exploded" in output
+    assert (tmp_path / "run" / "checkpoint.pt").exists() and (tmp_path / "run" / "curves.png").exists()

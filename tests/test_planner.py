@@ -177,3 +177,13 @@ def test_bad_budget_is_refused(budget, capsys):
 def test_unknown_env_is_refused(capsys):
     assert main(["plan", "--env", "CartPool-v1", "--budget", "1000"]) == 2
     assert "CartPole-v1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["1e999", "0", "-5", "abc", "1.5", "inf"])
+def test_plan_refuses_a_bad_budget_in_one_line(capsys, budget):
+    from ppokit.cli import main
+
+    assert main(["plan", "--env", "CartPole-v1", "--budget", budget]) == 2
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    assert "config field 'total_timesteps'" in out.err and budget in out.err

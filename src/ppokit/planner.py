@@ -101,9 +101,14 @@ def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds
 
     from .envs import check_env_id, check_spaces
 
+    from .envs.errors import env_failure
+
     check_env_id(env_id)
     probe = EnvProbe(env_id)
-    env = gym.make(env_id)
+    try:
+        env = gym.make(env_id)
+    except Exception as exc:  # noqa: BLE001 - an env that cannot be built: one line, not its traceback
+        raise env_failure(env_id, "make()", 0, exc) from exc
     try:
         probe.action_kind = check_spaces(env)
         act = env.action_space
@@ -115,17 +120,23 @@ def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds
         spec = getattr(env, "spec", None)
         probe.max_episode_steps = getattr(spec, "max_episode_steps", None)
         env.action_space.seed(seed)
-        env.reset(seed=seed)
-        length, start = 0, time.perf_counter()
-        while (len(probe.episode_lengths) < episodes and probe.probe_steps < max_steps
-               and time.perf_counter() - start < max_seconds):
-            _, _, terminated, truncated, _ = env.step(env.action_space.sample())
-            probe.probe_steps += 1
-            length += 1
-            if terminated or truncated:
-                probe.episode_lengths.append(length)
-                length = 0
-                env.reset()
+        phase = "reset()"
+        try:
+            env.reset(seed=seed)
+            length, start = 0, time.perf_counter()
+            while (len(probe.episode_lengths) < episodes and probe.probe_steps < max_steps
+                   and time.perf_counter() - start < max_seconds):
+                phase = "step()"
+                _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+                probe.probe_steps += 1
+                length += 1
+                if bool(terminated) or bool(truncated):
+                    probe.episode_lengths.append(length)
+                    length = 0
+                    phase = "reset()"
+                    env.reset()
+        except Exception as exc:  # noqa: BLE001 - the env raised while the planner probed it
+            raise env_failure(env_id, f"{phase} (planner probe)", probe.probe_steps, exc) from exc
         probe.probed = True
         if not probe.episode_lengths:
             probe.notes.append(f"no episode finished in the {probe.probe_steps}-step random probe; episode length "

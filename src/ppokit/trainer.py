@@ -92,7 +92,12 @@ class Trainer:
         seed_everything(cfg.seed)
 
         # Environments and the policy pi_theta.
-        self.envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode)
+        try:
+            self.envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode)
+        except (ValueError, EnvError):
+            raise  # an unknown id or unsupported spaces: already one clear line
+        except Exception as exc:  # noqa: BLE001 - an env whose constructor raises: one line, not its traceback
+            raise env_failure(cfg.env_id, "make()", 0, exc) from exc
         self.action_kind = check_spaces(self.envs)
         import gymnasium as gym
 
@@ -588,8 +593,6 @@ class Trainer:
         if self._solved:
             lines["solved"] = (f"evaluation return {self.metrics[-1]['charts/eval_return']:.1f} >= "
                                f"{self.config.eval_threshold} at update {self.update_idx}; stopped early")
-        if self._eval_envs is not None:
-            self._eval_envs.close()
         try:
             if self.metrics:
                 from .plots import plot_curves
@@ -600,9 +603,22 @@ class Trainer:
             try:
                 self.logger.summary(lines)
                 self.logger.close()
-                self.envs.close()
+                self._close_envs()
             finally:
                 self._claim.release()
+
+    def _close_envs(self) -> None:
+        """Close the training and evaluation envs; an env whose close() raises costs a warning, not the run."""
+        for envs in (self.envs, self._eval_envs):
+            if envs is None:
+                continue
+            try:
+                envs.close()
+            except Exception as exc:  # noqa: BLE001 - the run's files are written; nothing is lost
+                import sys
+
+                print(f"warning: env {self.config.env_id!r} raised in close(): {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
 
     def _note_interrupt(self) -> None:
         """Log the Ctrl-C alert once. Here, in the loop, never in the signal handler: the interrupted code may hold
@@ -620,7 +636,7 @@ class Trainer:
             try:
                 self.logger.close()
             finally:
-                self.envs.close()
+                self._close_envs()
         except Exception:
             pass  # the exception in flight is the one to report
         finally:

@@ -23,8 +23,9 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    from ppokit.config import ConfigError, PPOConfig
+    from ppokit.config import ConfigError, PPOConfig, _coerce
     from ppokit.planner import make_plan
 
     err = Console(stderr=True)
@@ -34,18 +35,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         budget_text = str(args.budget)
         try:
-            budget = int(float(budget_text)) if "e" in budget_text.lower() else int(budget_text)
-        except ValueError:
-            raise ConfigError("total_timesteps", f"--budget must be a positive integer, got {budget_text!r}") from None
+            budget = _coerce("total_timesteps", budget_text)  # parsed like --total-timesteps: 1e5 works, 1e999 not
+        except ConfigError:
+            budget = 0
+        if budget < 1:
+            raise ConfigError("total_timesteps", f"--budget must be a positive integer, got {budget_text!r}")
         overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PPOConfig)
                      if f.name not in ("env_id", "total_timesteps") and getattr(args, f.name, None) is not None}
         plan = make_plan(args.env_id, budget, overrides, probe=not args.no_probe)
-    except ConfigError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
+    except ValueError as exc:  # ConfigError, or an unknown env id
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    except ValueError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        return 2
+    except RuntimeError as exc:  # EnvError: the env raised while the planner probed it
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 1
     text = {"md": plan.to_markdown, "toml": plan.to_toml, "json": plan.to_json}[args.format]()
     print(text, end="" if text.endswith("\n") else "\n")
     if args.out:

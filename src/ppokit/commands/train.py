@@ -102,10 +102,13 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(list_presets())}")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file of config fields")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint with its saved config; only "
-                        "--total-timesteps (a new length) and --quiet may be given with it")
+                        "--total-timesteps (a new length), --quiet and --import-module may be given with it")
     p.add_argument("--overwrite", action="store_true",
                    help="train in a run dir that holds a finished or abandoned run, deleting that run's files first "
                         "(without it such a run dir is refused)")
+    p.add_argument("--import-module", action="append", default=[], metavar="MODULE", dest="import_module",
+                   help="allow importing MODULE for a 'MODULE:Env-v0' env id that comes from a file (--config, or "
+                        "the checkpoint of --resume); an id typed with --env needs no permission (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no live console output (files are still written)")
     add_config_flags(p)
     p.set_defaults(handler=run)
@@ -127,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
             config, source = resolve_config(args)
             config.validate()
     except (ConfigError, ValueError) as exc:  # ValueError: an unknown env id met by the planner's probe
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
+    except RuntimeError as exc:  # EnvError: the env raised while the planner probed it
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 1
 
     from ppokit.checkpoint import CheckpointError
     from ppokit.envs.errors import EnvError
@@ -140,17 +146,22 @@ def run(args: argparse.Namespace) -> int:
             if args.overwrite:
                 raise ConfigError("overwrite", "--overwrite cannot be given with --resume: it would delete the run "
                                                "that --resume continues")
-            result = resume(args.resume, total_timesteps=total, console_enabled=not args.quiet)
+            result = resume(args.resume, total_timesteps=total, console_enabled=not args.quiet,
+                            allow_import=tuple(args.import_module))
         else:
+            from ppokit.checkpoint import check_stored_env_id
             from ppokit.trainer import train
 
+            if args.env_id is None and args.config:
+                # An env id from a file is the file's choice, not the user's: importing its module runs its code.
+                check_stored_env_id(config.env_id, args.import_module, args.config)
             if source and not args.quiet:
                 err.print(escape(source), highlight=False, soft_wrap=True)
             for warning in config.warnings():
                 err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
             result = train(config, console_enabled=not args.quiet, overwrite=args.overwrite)
     except (ConfigError, CheckpointError) as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except EnvError as exc:
         # The env raised, or returned what its spaces do not allow; the trainer saved what it could.
@@ -158,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except ValueError as exc:
         # Environment problems (unknown id, unsupported spaces) surface as ValueError before training starts.
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         # The second Ctrl-C (the first one finishes the update and saves): the last checkpoint is intact.
@@ -178,7 +189,8 @@ def _resume_total(args: argparse.Namespace) -> int | None:
     if given:
         name = given[0].lstrip("-").replace("-", "_")
         raise ConfigError(name, f"{', '.join(given)} cannot be given with --resume: a resumed run keeps the config "
-                                "in its checkpoint; --resume accepts only --total-timesteps (and --quiet)")
+                                "in its checkpoint; --resume accepts only --total-timesteps (and --quiet, "
+                                "--import-module)")
     if args.total_timesteps is None:
         return None
     total = _coerce("total_timesteps", args.total_timesteps)
