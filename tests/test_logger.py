@@ -277,3 +277,17 @@ def test_metrics_logger_resume_and_options(tmp_path):
     assert len((tmp_path / "alerts.jsonl").read_text().splitlines()) == 2
     assert not (tmp_path / "tb").exists()
     assert console.file.getvalue() == ""
+
+
+def test_csv_resume_of_an_older_run_extends_its_header_once(tmp_path):
+    # A run written before a column existed (e.g. diag/approx_kl_after) resumes: the header grows, old rows get
+    # empty cells, and after that first row the key set is fixed again.
+    path = tmp_path / "m.csv"
+    with CSVSink(path) as sink:
+        sink.write(1, {"a": 1.0})
+    with CSVSink(path) as sink:
+        sink.write(2, {"a": 2.0, "new": 3.0})
+        with pytest.raises(ValueError, match="not in the CSV header"):
+            sink.write(3, {"a": 1.0, "other": 3.0})
+    assert _rows(path) == [["global_step", "a", "new"], ["1", "1.0", ""], ["2", "2.0", "3.0"]]
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -57,7 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "handler"):
         parser.print_help()
         return 2
+    _plain_warnings()
     return int(args.handler(args) or 0)
+
+
+def _plain_warnings() -> None:
+    """ppokit's own warnings print as one ``warning: ...`` line on the command line, not with a source line."""
+    import warnings
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if getattr(category, "__module__", "").startswith("ppokit"):
+            print(f"warning: {message}", file=file or sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 if __name__ == "__main__":

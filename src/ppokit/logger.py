@@ -116,6 +116,7 @@ class CSVSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.columns: list[str] | None = None
+        self._extendable = False
         needs_newline = False
         if self.path.exists() and self.path.stat().st_size > 0:
             with open(self.path, newline="", encoding="utf-8") as f:
@@ -123,6 +124,8 @@ class CSVSink:
             if not header or header[0] != "global_step":
                 raise ValueError(f"{self.path} exists but is not a ppokit metrics CSV (first column is not global_step)")
             self.columns = header
+            # A resumed run written by an older ppokit may lack columns added since: its first row may extend it.
+            self._extendable = True
             with open(self.path, "rb") as f:
                 f.seek(-1, os.SEEK_END)
                 # A crash mid-row leaves no trailing newline; start the resumed rows on a fresh line.
@@ -142,16 +145,36 @@ class CSVSink:
         else:
             known = set(self.columns)
             unknown = [k for k in metrics if k not in known]
-            if unknown:
+            if unknown and self._extendable:
+                self._extend_header(unknown)
+            elif unknown:
                 raise ValueError(
                     f"metric key(s) {unknown} are not in the CSV header of {self.path}; "
                     "the key set is fixed at the first row"
                 )
+        self._extendable = False
         row = [str(int(step))]
         for key in self.columns[1:]:
             row.append(self._cell(metrics.get(key, math.nan)))
         self._writer.writerow(row)
         self._file.flush()
+
+    def _extend_header(self, new_columns: list[str]) -> None:
+        """Append columns to an existing file's header (old rows get empty cells), atomically: temp + rename."""
+        self._file.close()
+        with open(self.path, newline="", encoding="utf-8") as f:
+            rows = [row for row in csv.reader(f) if row][1:]
+        self.columns = [*self.columns, *new_columns]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(self.columns)
+            writer.writerows(row + [""] * (len(self.columns) - len(row)) for row in rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
+        self._writer = csv.writer(self._file)
 
     @staticmethod
     def _cell(value: Any) -> str:
