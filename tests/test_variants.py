@@ -63,9 +63,9 @@ def test_trainer_applies_beta_rule_to_measured_kl(tmp_path, monkeypatch):
     per_update: dict[int, float] = {}
 
     def fake_batch_kl(self, batch):
-        # One measured KL per update (the logged diag/approx_kl_after reads batch_kl too, after the beta rule).
-        if self.global_step not in per_update:
-            per_update[self.global_step] = next(kls)
+        # Measured once per update: the beta rule and the logged diag/approx_kl_after share it.
+        assert self.global_step not in per_update, "batch_kl measured twice in one update"
+        per_update[self.global_step] = next(kls)
         return per_update[self.global_step]
 
     monkeypatch.setattr(Trainer, "batch_kl", fake_batch_kl)
@@ -82,6 +82,7 @@ def test_trainer_applies_beta_rule_to_measured_kl(tmp_path, monkeypatch):
     # beta_{u+1} = rule(beta_u, KL_u):  1 -> 2 -> 4 -> 2 -> 2 -> 4
     assert used == [1.0, 2.0, 4.0, 2.0, 2.0]
     assert [m["charts/kl_beta"] for m in run.metrics] == [2.0, 4.0, 2.0, 2.0, 4.0]
+    assert [m["diag/approx_kl_after"] for m in run.metrics] == [0.05, 0.05, 0.001, 0.012, 0.03]
 
 
 def test_batch_kl_is_k3_of_old_vs_new_policy(tmp_path):

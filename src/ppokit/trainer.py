@@ -222,15 +222,16 @@ class Trainer:
                 t0 = time.perf_counter()
                 update_fn = fused_ppo_update if self.fused else ppo_update
                 stats = update_fn(self.policy, self.optimizer, batch, self.update_settings(clip_coef))
+                kl_after = self.batch_kl(batch)  # how far this update moved pi_theta from pi_old
                 if cfg.algo == "ppo-kl":
-                    self.kl_beta = adapt_kl_beta(self.kl_beta, self.batch_kl(batch), cfg.kl_target)
+                    self.kl_beta = adapt_kl_beta(self.kl_beta, kl_after, cfg.kl_target)
                 self.perf["update"] += time.perf_counter() - t0
                 self.update_idx += 1
 
                 # 4. Log
                 t0 = time.perf_counter()
                 metrics = self._metrics(stats, episodes, nonfinite_env, batch, advantages, lr, clip_coef,
-                                        start_step, start_time)
+                                        start_step, start_time, kl_after)
                 if cfg.eval_every:
                     # Evaluation gate: a cheap deterministic evaluation that ends the run once it is solved.
                     metrics["charts/eval_return"] = float("nan")
@@ -533,7 +534,7 @@ class Trainer:
     # ================================================================== 4. metrics
     def _metrics(self, stats: dict[str, float], episodes: list[tuple[float, int]], nonfinite_env: int,
                  batch: Batch, advantages: torch.Tensor, lr: float, clip_coef: float, start_step: int,
-                 start_time: float) -> dict[str, float]:
+                 start_time: float, kl_after: float) -> dict[str, float]:
         nan = float("nan")
         elapsed = max(time.perf_counter() - start_time, 1e-9)
         ev = float(explained_variance(batch.values_old, batch.returns)) if len(batch) > 1 else nan
@@ -554,7 +555,7 @@ class Trainer:
             "diag/approx_kl_k1": stats["approx_kl_k1"],
             # diag/approx_kl is measured on each minibatch's forward pass, before its step (0 for a2c's only
             # step); this one is the whole update's move: k3 of pi_theta after it vs pi_old, on the whole batch.
-            "diag/approx_kl_after": self.batch_kl(batch),
+            "diag/approx_kl_after": kl_after,
             "diag/clipfrac": stats["clipfrac"],
             "diag/explained_variance": ev,
             "diag/grad_norm": stats["grad_norm"],
