@@ -236,3 +236,21 @@ def test_compare_writes_stability_and_beta(tmp_path):
         assert int(metrics[-1]["global_step"]) == 1024
     betas = [float(m["charts/kl_beta"]) for m in _read_csv(out / "ppo-kl" / "seed1" / "metrics.csv")]
     assert all(b2 / b1 in (0.5, 1.0, 2.0) for b1, b2 in zip([1.0] + betas, betas))
+
+
+def test_clear_partial_takes_a_run_dir_killed_before_its_config_but_keeps_a_foreign_dir(tmp_path):
+    from ppokit.config import ConfigError
+    from ppokit.experiments import _clear_partial
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / ".lock").write_text("pid 1")
+    _clear_partial(killed)
+    assert not killed.exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / ".lock").write_text("pid 1")
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a ppokit run dir"):
+        _clear_partial(foreign)
+    assert (foreign / "notes.txt").exists()

@@ -320,7 +320,8 @@ def _clear_partial(run_dir: Path) -> None:
     """Remove an unfinished run dir (its metrics.csv is append-only, so a restart must begin empty)."""
     if not run_dir.exists():
         return
-    entries = list(run_dir.iterdir())
+    # A run killed right after taking its lock holds only ppokit's own files (the lock, a checkpoint temp file).
+    entries = [e for e in run_dir.iterdir() if e.name != ".lock" and not e.name.startswith(".checkpoint.pt.")]
     if entries and not (run_dir / "config.toml").exists():
         raise ConfigError("out", f"{run_dir} exists and is not a ppokit run dir; refusing to overwrite it")
     shutil.rmtree(run_dir)
