@@ -419,3 +419,184 @@ def test_explained_variance_constant_target_is_nan(value, n):
     target = torch.full((n,), value)
     pred = torch.linspace(-1.0, 1.0, n)
     assert math.isnan(explained_variance(pred, target).item())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masks and reduction modes (``reductions.reduce``). Unmasked calls must compute exactly what the functions did
+# before they took a mask: the bodies of that version are kept here, verbatim but for the names.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _old_clipped_surrogate(logp_new, logp_old, advantages, clip_coef):
+    advantages = advantages.detach()
+    ratio = torch.exp(logp_new - logp_old.detach())
+    ratio_clipped = torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef)
+    past = (ratio.detach() - ratio_clipped.detach()).mul_(advantages) > 0
+    return torch.where(past, ratio_clipped * advantages, ratio * advantages)
+
+
+def _old_policy_loss(logp_new, logp_old, advantages, clip_coef):
+    return -_old_clipped_surrogate(logp_new, logp_old, advantages, clip_coef).mean()
+
+
+def _old_value_loss(values, returns, old_values=None, clip_coef=None):
+    returns = returns.detach()
+    unclipped = (values - returns) ** 2
+    if old_values is None or clip_coef is None:
+        return 0.5 * unclipped.mean()
+    old_values = old_values.detach()
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_coef, clip_coef)
+    clipped = (values_clipped - returns) ** 2
+    return 0.5 * torch.where(clipped > unclipped, clipped, unclipped).mean()
+
+
+def _old_entropy_loss(entropy):
+    return -entropy.mean()
+
+
+def _old_k1(logp_new, logp_old):
+    return (logp_old - logp_new).mean()
+
+
+def _old_k3(logp_new, logp_old):
+    logratio = logp_new - logp_old
+    return (torch.expm1(logratio) - logratio).mean()
+
+
+def _old_kl_penalty_loss(logp_new, logp_old, advantages, beta):
+    ratio = torch.exp(logp_new - logp_old.detach())
+    surrogate = (ratio * advantages.detach()).mean()
+    return -(surrogate - beta * _old_k3(logp_new, logp_old.detach()))
+
+
+def _old_clip_fraction(ratio, clip_coef):
+    return ((ratio - 1.0).abs() > clip_coef).float().mean()
+
+
+def _old_explained_variance(predicted, target):
+    var_target = target.var(unbiased=False)
+    var_resid = (target - predicted).var(unbiased=False)
+    constant = (target == target.reshape(-1)[:1]).all() | (var_target == 0)
+    nan = torch.full_like(var_target, float("nan"))
+    return torch.where(constant, nan, 1.0 - var_resid / var_target)
+
+
+def _pairs():
+    """(new, old) pairs of scalar functions of (a, b, c) with a the differentiated input."""
+    return [
+        (lambda a, b, c: policy_loss(a, b, c, 0.2), lambda a, b, c: _old_policy_loss(a, b, c, 0.2)),
+        (lambda a, b, c: value_loss(a, b), lambda a, b, c: _old_value_loss(a, b)),
+        (lambda a, b, c: value_loss(a, b, c, 0.2), lambda a, b, c: _old_value_loss(a, b, c, 0.2)),
+        (lambda a, b, c: entropy_loss(a), lambda a, b, c: _old_entropy_loss(a)),
+        (lambda a, b, c: approx_kl_k1(a, b), lambda a, b, c: _old_k1(a, b)),
+        (lambda a, b, c: approx_kl_k3(a, b), lambda a, b, c: _old_k3(a, b)),
+        (lambda a, b, c: kl_penalty_loss(a, b, c, 0.3), lambda a, b, c: _old_kl_penalty_loss(a, b, c, 0.3)),
+        (lambda a, b, c: clip_fraction(a.exp(), 0.2), lambda a, b, c: _old_clip_fraction(a.exp(), 0.2)),
+        (lambda a, b, c: explained_variance(a, b), lambda a, b, c: _old_explained_variance(a, b)),
+    ]
+
+
+@pytest.mark.parametrize("pair", range(len(_pairs())))
+@pytest.mark.parametrize("shape", [(64,), (16, 8), (1,)])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_unmasked_results_and_gradients_are_bit_identical_to_the_unmasked_version(pair, shape, dtype):
+    new, old = _pairs()[pair]
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        a, b, c = (torch.randn(*shape, generator=g, dtype=dtype) * 0.3 for _ in range(3))
+        a_new, a_old = a.clone().requires_grad_(True), a.clone().requires_grad_(True)
+        out_new, out_old = new(a_new, b, c), old(a_old, b, c)
+        # rtol = atol = 0: equal bits (NaN where the old one was NaN, e.g. the explained variance of one sample).
+        torch.testing.assert_close(out_new, out_old, rtol=0, atol=0, equal_nan=True)
+        if out_new.requires_grad:
+            out_new.backward()
+            out_old.backward()
+            torch.testing.assert_close(a_new.grad, a_old.grad, rtol=0, atol=0, equal_nan=True)
+
+
+def _token_batch(seed: int, B: int = 5, T: int = 7):
+    """A right-padded [B, T] batch: finite but large garbage in the padding (the ratio there is exp(+-20))."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    logp_old = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    logp_new = logp_old + 0.4 * torch.randn(B, T, generator=g, dtype=F64)
+    adv = torch.randn(B, T, generator=g, dtype=F64)
+    garbage = 20.0 * torch.randn(B, T, generator=g, dtype=F64)
+    logp_new = torch.where(mask, logp_new, garbage)
+    adv = torch.where(mask, adv, -garbage)
+    return logp_new, logp_old, adv, mask, lengths
+
+
+_MASKED_LOSSES = {
+    "policy_loss": lambda a, b, c, m, mode: policy_loss(a, b, c, 0.2, m, mode),
+    "value_loss": lambda a, b, c, m, mode: value_loss(a, b, None, None, m, mode),
+    "value_loss_clipped": lambda a, b, c, m, mode: value_loss(a, b, c, 0.2, m, mode),
+    "entropy_loss": lambda a, b, c, m, mode: entropy_loss(a, m, mode),
+    "approx_kl_k1": lambda a, b, c, m, mode: approx_kl_k1(a, b, m, mode),
+    "approx_kl_k3": lambda a, b, c, m, mode: approx_kl_k3(a, b, m, mode),
+    "kl_penalty_loss": lambda a, b, c, m, mode: kl_penalty_loss(a, b, c, 0.3, m, mode),
+    "kl_penalty_objective": lambda a, b, c, m, mode: kl_penalty_objective(a, b, c, 0.3, m, mode),
+    "clip_fraction": lambda a, b, c, m, mode: clip_fraction((a - b).exp(), 0.2, m, mode),
+}
+
+
+@pytest.mark.parametrize("name", list(_MASKED_LOSSES))
+def test_masked_token_mean_equals_the_loss_on_the_valid_tokens_alone(name):
+    fn = _MASKED_LOSSES[name]
+    rel = 1e-6 if name == "clip_fraction" else 1e-12  # the clip fraction is a float32 share
+    for seed in range(6):
+        a, b, c, mask, _ = _token_batch(seed)
+        flat = fn(a[mask], b[mask], c[mask], None, "mean")  # the unmasked loss on a flat [n_valid] batch
+        for mode in ("mean", "token_mean"):
+            assert fn(a, b, c, mask, mode).item() == pytest.approx(flat.item(), rel=rel, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", list(_MASKED_LOSSES))
+def test_masked_sequence_modes_average_the_per_sequence_losses(name):
+    # seq_mean_token_mean = mean over sequences of the loss on that sequence alone; the Dr. GRPO mode scales each
+    # sequence's loss by its length / T instead.
+    fn = _MASKED_LOSSES[name]
+    rel = 1e-6 if name == "clip_fraction" else 1e-12  # the clip fraction is a float32 share
+    a, b, c, mask, lengths = _token_batch(seed=7, T=7)
+    per_seq = [fn(a[i, :n], b[i, :n], c[i, :n], None, "mean").item() for i, n in enumerate(lengths.tolist())]
+    expected_mean = sum(per_seq) / len(per_seq)
+    expected_norm = sum(v * n / 7 for v, n in zip(per_seq, lengths.tolist())) / len(per_seq)
+    assert fn(a, b, c, mask, "seq_mean_token_mean").item() == pytest.approx(expected_mean, rel=rel, abs=1e-12)
+    assert fn(a, b, c, mask, "seq_mean_token_sum_norm").item() == pytest.approx(expected_norm, rel=rel, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", [n for n in _MASKED_LOSSES if n != "clip_fraction"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_padded_tokens_get_exactly_zero_gradient(name, mode):
+    a, b, c, mask, _ = _token_batch(seed=2)
+    a = a.clone().requires_grad_(True)
+    _MASKED_LOSSES[name](a, b, c, mask, mode).backward()
+    assert torch.equal(a.grad[~mask], torch.zeros(int((~mask).sum()), dtype=F64))
+    assert a.grad[mask].abs().sum() > 0  # and the valid ones do get one
+
+
+def test_clip_fraction_ignores_padded_ratios():
+    # Valid ratios 1.0, 1.3 (clipped at eps 0.2), 0.9; padded ratios 5.0 and 0.1 would be clipped but do not count.
+    ratio = torch.tensor([[1.0, 1.3, 5.0], [0.9, 0.1, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    assert clip_fraction(ratio, 0.2, mask).item() == pytest.approx(1 / 3)
+    assert clip_fraction(ratio, 0.2, mask, "seq_mean_token_mean").item() == pytest.approx((1 / 2 + 0) / 2)
+    with pytest.raises(ValueError, match="shape"):
+        clip_fraction(ratio, 0.2, mask[:, :2])
+
+
+def test_masked_explained_variance_is_that_of_the_valid_tokens():
+    g = torch.Generator().manual_seed(5)
+    target = torch.randn(4, 6, generator=g)
+    pred = target + 0.5 * torch.randn(4, 6, generator=g)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 3, 1, 4])[:, None]
+    garbage_pred = torch.where(mask, pred, float("nan"))
+    assert torch.equal(explained_variance(garbage_pred, target, mask), explained_variance(pred[mask], target[mask]))
+    assert torch.equal(explained_variance(pred, target, mask.float()), explained_variance(pred[mask], target[mask]))
+    # Constant valid targets (the padding varies) and no valid token at all: undefined, NaN.
+    const = torch.where(mask, torch.tensor(0.1), torch.randn(4, 6, generator=g))
+    assert math.isnan(explained_variance(pred, const, mask).item())
+    assert math.isnan(explained_variance(pred, target, torch.zeros_like(mask)).item())
+    with pytest.raises(ValueError, match="shape"):
+        explained_variance(pred, target, mask.T)

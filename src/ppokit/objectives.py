@@ -5,6 +5,10 @@ broadcasting) and holds no environment, optimizer or I/O. Conventions follow Sch
 "Proximal Policy Optimization Algorithms": objectives are maximized, losses are minimized, and every loss
 returned here is already signed for ``loss.backward()`` so the sign bug of maximizing the loss cannot be made
 through the public API.
+
+Each scalar loss and diagnostic reduces its per-sample terms through ``reductions.reduce(x, mask, mode)``: the
+default (``mask=None, mode="mean"``) is exactly the plain batch ``.mean()`` of PPO; a token-level trainer passes
+its ``[B, T]`` padding mask and an aggregation mode (see ``reductions``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from .reductions import reduce
 
 __all__ = [
     "ppo_objective",
@@ -82,9 +88,10 @@ def past_clip(ratio: Tensor, ratio_clipped: Tensor, advantages: Tensor) -> Tenso
     return (ratio - ratio_clipped).mul_(advantages) > 0
 
 
-def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_coef: float) -> Tensor:
-    """Scalar PPO-Clip policy loss to minimize: ``-mean(clipped_surrogate)``."""
-    return -clipped_surrogate(logp_new, logp_old, advantages, clip_coef).mean()
+def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_coef: float,
+                mask: Tensor | None = None, mode: str = "mean") -> Tensor:
+    """Scalar PPO-Clip policy loss to minimize: ``-reduce(clipped_surrogate, mask, mode)`` (``-mean`` by default)."""
+    return -reduce(clipped_surrogate(logp_new, logp_old, advantages, clip_coef), mask, mode)
 
 
 def value_loss(
@@ -92,8 +99,10 @@ def value_loss(
     returns: Tensor,
     old_values: Tensor | None = None,
     clip_coef: float | None = None,
+    mask: Tensor | None = None,
+    mode: str = "mean",
 ) -> Tensor:
-    """Scalar critic loss ``0.5 * mean((V - R)^2)``.
+    """Scalar critic loss ``0.5 * mean((V - R)^2)`` (the mean is ``reduce(., mask, mode)``).
 
     With ``old_values`` and ``clip_coef`` given, the PPO2/CleanRL clipped form: the value change is clipped to
     ``old_values +- clip_coef`` and the loss is the elementwise max of the clipped and unclipped squared errors;
@@ -105,12 +114,12 @@ def value_loss(
     returns = returns.detach()
     unclipped = (values - returns) ** 2
     if old_values is None or clip_coef is None:
-        return 0.5 * unclipped.mean()
+        return 0.5 * reduce(unclipped, mask, mode)
     _same_shape(values, old_values)
     old_values = old_values.detach()
     values_clipped = old_values + torch.clamp(values - old_values, -clip_coef, clip_coef)
     clipped = (values_clipped - returns) ** 2
-    return 0.5 * torch.where(clipped > unclipped, clipped, unclipped).mean()
+    return 0.5 * reduce(torch.where(clipped > unclipped, clipped, unclipped), mask, mode)
 
 
 def categorical_entropy(logits: Tensor) -> Tensor:
@@ -124,25 +133,26 @@ def gaussian_entropy(log_std: Tensor) -> Tensor:
     return (log_std + 0.5 * math.log(2.0 * math.pi * math.e)).sum(-1)
 
 
-def entropy_loss(entropy: Tensor) -> Tensor:
-    """Scalar entropy term to add to the loss: ``-mean(entropy)`` (minimizing it raises entropy)."""
-    return -entropy.mean()
+def entropy_loss(entropy: Tensor, mask: Tensor | None = None, mode: str = "mean") -> Tensor:
+    """Scalar entropy term to add to the loss: ``-mean(entropy)`` (minimizing it raises entropy); the mean is
+    ``reduce(entropy, mask, mode)``, which is also the entropy diagnostic of a masked batch."""
+    return -reduce(entropy, mask, mode)
 
 
-def approx_kl_k1(logp_new: Tensor, logp_old: Tensor) -> Tensor:
+def approx_kl_k1(logp_new: Tensor, logp_old: Tensor, mask: Tensor | None = None, mode: str = "mean") -> Tensor:
     """k1 estimate of KL(pi_old || pi_theta) from actions sampled by pi_old: ``mean(logp_old - logp_new)``.
 
     Unbiased but high-variance and can be negative on a finite sample (Schulman, "Approximating KL divergence").
     """
     _same_shape(logp_new, logp_old)
-    return (logp_old - logp_new).mean()
+    return reduce(logp_old - logp_new, mask, mode)
 
 
-def approx_kl_k3(logp_new: Tensor, logp_old: Tensor) -> Tensor:
+def approx_kl_k3(logp_new: Tensor, logp_old: Tensor, mask: Tensor | None = None, mode: str = "mean") -> Tensor:
     """k3 estimate of KL(pi_old || pi_theta): ``mean((r - 1) - log r)``, ``r = pi_theta/pi_old``; unbiased, >= 0."""
     _same_shape(logp_new, logp_old)
     logratio = logp_new - logp_old
-    return (torch.expm1(logratio) - logratio).mean()
+    return reduce(torch.expm1(logratio) - logratio, mask, mode)
 
 
 def categorical_kl(logits_p: Tensor, logits_q: Tensor) -> Tensor:
@@ -162,36 +172,52 @@ def gaussian_kl(mean_p: Tensor, log_std_p: Tensor, mean_q: Tensor, log_std_q: Te
     return per_dim.sum(-1)
 
 
-def kl_penalty_objective(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, beta: float) -> Tensor:
+def kl_penalty_objective(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, beta: float,
+                         mask: Tensor | None = None, mode: str = "mean") -> Tensor:
     """Scalar PPO-KL objective to maximize: ``mean(r * A) - beta * KL(pi_old || pi_theta)``.
 
     The KL term is the k3 estimate on the sampled actions (non-negative, so the penalty never rewards drift).
-    Schulman et al. (2017), section 4; no clipping.
+    Schulman et al. (2017), section 4; no clipping. Both means are ``reduce(., mask, mode)``.
     """
     _same_shape(logp_new, logp_old, advantages)
     ratio = torch.exp(logp_new - logp_old.detach())
-    surrogate = (ratio * advantages.detach()).mean()
-    return surrogate - beta * approx_kl_k3(logp_new, logp_old.detach())
+    surrogate = reduce(ratio * advantages.detach(), mask, mode)
+    return surrogate - beta * approx_kl_k3(logp_new, logp_old.detach(), mask, mode)
 
 
-def kl_penalty_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, beta: float) -> Tensor:
+def kl_penalty_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, beta: float,
+                    mask: Tensor | None = None, mode: str = "mean") -> Tensor:
     """Scalar PPO-KL loss to minimize: ``-kl_penalty_objective``."""
-    return -kl_penalty_objective(logp_new, logp_old, advantages, beta)
+    return -kl_penalty_objective(logp_new, logp_old, advantages, beta, mask, mode)
 
 
-def clip_fraction(ratio: Tensor, clip_coef: float) -> Tensor:
-    """Share of samples whose ratio left the trust region, ``mean(|r - 1| > eps)``, a float scalar in [0, 1]."""
-    return ((ratio - 1.0).abs() > clip_coef).float().mean()
+def clip_fraction(ratio: Tensor, clip_coef: float, mask: Tensor | None = None, mode: str = "mean") -> Tensor:
+    """Share of samples whose ratio left the trust region, ``mean(|r - 1| > eps)``, a float scalar in [0, 1]; the
+    mean is ``reduce(., mask, mode)`` (padded tokens are neither clipped nor counted)."""
+    if mask is not None:
+        _same_shape(ratio, mask)
+    return reduce(((ratio - 1.0).abs() > clip_coef).float(), mask, mode)
 
 
-def explained_variance(predicted: Tensor, target: Tensor) -> Tensor:
+def explained_variance(predicted: Tensor, target: Tensor, mask: Tensor | None = None) -> Tensor:
     """``1 - Var(target - predicted) / Var(target)``: 1 is a perfect critic, 0 no better than the mean.
 
     Returns NaN when ``Var(target) == 0`` (the ratio is undefined; a constant target says nothing of the critic).
     A constant target is detected by comparing elements, not by ``var == 0``: the rounded mean of e.g. seven
     float32 copies of 0.1 is off by one ulp, so the computed variance is ~1e-17, not 0, and the ratio is garbage.
+
+    With ``mask`` (same shape, nonzero = counted) both variances are taken over the counted entries only: the
+    result is that of the unmasked function on those entries (NaN when none is counted). It is a ratio of
+    variances over all counted tokens, so it has no per-sequence mode.
     """
     _same_shape(predicted, target)
+    if mask is not None:
+        _same_shape(target, mask)
+        # Boolean indexing syncs with the host; this diagnostic is computed once per update, not per minibatch.
+        keep = mask if mask.dtype == torch.bool else mask != 0
+        predicted, target = predicted[keep], target[keep]
+        if target.numel() == 0:
+            return torch.full((), float("nan"), dtype=target.dtype, device=target.device)
     var_target = target.var(unbiased=False)
     var_resid = (target - predicted).var(unbiased=False)
     constant = (target == target.reshape(-1)[:1]).all() | (var_target == 0)
