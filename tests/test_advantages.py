@@ -243,3 +243,156 @@ def test_normalize_keeps_real_spread_and_nonfinite_input():
     # NaN is not hidden as a "constant": the update's non-finite guard must still see it.
     x[0] = float("nan")
     assert torch.isnan(normalize(x)).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masks: padded sequences (a token trainer's [B, T] responses, passed time-major as [T, B]).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _old_gae(rewards, values, next_values, terminated, truncated, gamma, gae_lambda):
+    """The body of ``gae`` before it took a mask, verbatim: the unmasked call must give the same bits."""
+    not_terminated = 1.0 - terminated.to(rewards.dtype)
+    not_done = 1.0 - (terminated | truncated).to(rewards.dtype)
+    deltas = rewards + gamma * not_terminated * next_values - values
+    decay = (gamma * gae_lambda) * not_done
+    advantages = torch.empty_like(rewards)
+    last = torch.zeros_like(rewards[0])
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        last = deltas[t] + decay[t] * last
+        advantages[t] = last
+    return advantages, advantages + values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_unmasked_gae_is_bit_identical_to_the_unmasked_version(dtype):
+    for seed in range(10):
+        r, v, nv, term, trunc = _random_rollout(3 + seed, 1 + seed % 4, seed)
+        r, v, nv = r.to(dtype), v.to(dtype), nv.to(dtype)
+        adv, ret = gae(r, v, nv, term, trunc, 0.99, 0.95)
+        old_adv, old_ret = _old_gae(r, v, nv, term, trunc, 0.99, 0.95)
+        assert torch.equal(adv, old_adv) and torch.equal(ret, old_ret)
+
+
+def _padded_rollout(T: int, N: int, seed: int):
+    """A [T, N] rollout of N right-padded sequences of random lengths 1..T; the padding holds garbage (NaN, Inf,
+    huge values) in every input, and random terminated/truncated flags, none of which may leak."""
+    r, v, nv, term, trunc = _random_rollout(T, N, seed, p_term=0.1, p_trunc=0.1)
+    g = torch.Generator().manual_seed(seed + 1000)
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    mask = torch.arange(T)[:, None] < lengths[None, :]  # [T, N]
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e300], dtype=F64)
+    for x in (r, v, nv):
+        x[~mask] = junk[torch.randint(0, 4, (int((~mask).sum()),), generator=g)]
+    return (r, v, nv, term, trunc), mask, lengths
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(0.99, 0.95), (1.0, 1.0), (0.9, 0.0)])
+def test_masked_gae_equals_gae_on_each_sequence_alone(gamma, lam):
+    for seed in range(60):
+        T, N = 1 + seed % 9, 1 + seed % 5
+        (r, v, nv, term, trunc), mask, lengths = _padded_rollout(T, N, seed)
+        adv, ret = gae(r, v, nv, term, trunc, gamma, lam, mask=mask)
+        assert torch.equal(adv[~mask], torch.zeros(int((~mask).sum()), dtype=F64))
+        assert torch.equal(ret[~mask], torch.zeros(int((~mask).sum()), dtype=F64))
+        for n, L in enumerate(lengths.tolist()):
+            one = [x[:L, n : n + 1].clone() for x in (r, v, nv, term, trunc)]
+            # The sequence ends at its last token: terminal unless that step asks for a bootstrap (truncated).
+            one[3][L - 1] |= ~one[4][L - 1]
+            adv_n, ret_n = gae(*one, gamma, lam)
+            assert torch.equal(adv[:L, n : n + 1], adv_n), (seed, n)
+            assert torch.equal(ret[:L, n : n + 1], ret_n), (seed, n)
+
+
+def test_masked_gae_hand_computed_ragged_pair():
+    # Two sequences, gamma = 0.5, lam = 1, no flags; lengths 3 and 1, padding is NaN. Token trainers chain
+    # next_values[t] = values[t + 1], so the last real step would read the padding's value: it must read 0.
+    # seq 0: r = [1, 0, 2], v = [1, 2, 3], nv = [2, 3, NaN]; d = [1 + 1 - 1, 0 + 1.5 - 2, 2 + 0 - 3] = [1, -0.5, -1]
+    #        A2 = -1; A1 = -0.5 + 0.5 * -1 = -1; A0 = 1 + 0.5 * -1 = 0.5; returns = A + v = [1.5, 1, 2]
+    # seq 1: r = [4], v = [1], nv = [NaN]: A0 = 4 - 1 = 3, return 4.
+    nan = float("nan")
+    r = torch.tensor([[1.0, 4.0], [0.0, nan], [2.0, nan]], dtype=F64)
+    v = torch.tensor([[1.0, 1.0], [2.0, nan], [3.0, nan]], dtype=F64)
+    nv = torch.tensor([[2.0, nan], [3.0, nan], [nan, nan]], dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
+    flags = torch.zeros(3, 2, dtype=torch.bool)
+    adv, ret = gae(r, v, nv, flags, flags, 0.5, 1.0, mask=mask)
+    assert torch.equal(adv, torch.tensor([[0.5, 3.0], [-1.0, 0.0], [-1.0, 0.0]], dtype=F64))
+    assert torch.equal(ret, torch.tensor([[1.5, 4.0], [1.0, 0.0], [2.0, 0.0]], dtype=F64))
+    # Truncated at the last real step: the caller asks for a bootstrap there, from next_values.
+    nv[2, 0], trunc = 4.0, flags.clone()
+    trunc[2, 0] = True
+    adv, _ = gae(r, v, nv, flags, trunc, 0.5, 1.0, mask=mask)
+    assert adv[2, 0].item() == 2.0 + 0.5 * 4.0 - 3.0
+
+
+def test_masked_gae_all_ones_mask_ends_every_column_at_T():
+    r, v, nv, term, trunc = _random_rollout(6, 3, seed=5)
+    adv, ret = gae(r, v, nv, term, trunc, 0.99, 0.95, mask=torch.ones(6, 3, dtype=torch.bool))
+    term_end = term.clone()
+    term_end[-1] |= ~trunc[-1]
+    ref_adv, ref_ret = gae(r, v, nv, term_end, trunc, 0.99, 0.95)
+    assert torch.equal(adv, ref_adv) and torch.equal(ret, ref_ret)
+
+
+def test_masked_gae_left_padding_and_gaps_split_sequences():
+    # Any run of real steps is one sequence: a left-padded column, and a column with a gap (two sequences).
+    r, v, nv, term, trunc = _random_rollout(7, 2, seed=8, p_term=0.0, p_trunc=0.0)
+    mask = torch.tensor([[0, 1], [0, 1], [1, 0], [1, 1], [1, 1], [1, 1], [1, 0]], dtype=torch.bool)
+    adv, _ = gae(r, v, nv, term, trunc, 0.9, 0.8, mask=mask)
+    end = torch.ones(1, 1, dtype=torch.bool)  # each piece alone, terminated at its last step
+    for n, lo, hi in ((0, 2, 7), (1, 0, 2), (1, 3, 6)):
+        piece = [x[lo:hi, n : n + 1] for x in (r, v, nv)]
+        flags = torch.zeros(hi - lo, 1, dtype=torch.bool)
+        term_p = torch.cat([flags[:-1], end])
+        adv_p, _ = gae(*piece, term_p, flags, 0.9, 0.8)
+        assert torch.equal(adv[lo:hi, n : n + 1], adv_p), (n, lo, hi)
+    assert torch.equal(adv[~mask], torch.zeros(int((~mask).sum()), dtype=F64))
+
+
+def test_masked_gae_rejects_a_mask_of_another_shape():
+    r, v, nv, term, trunc = _random_rollout(4, 3, seed=0)
+    with pytest.raises(ValueError, match=r"gae: mask has shape \(3, 4\).*\[T, N\]"):
+        gae(r, v, nv, term, trunc, 0.99, 0.95, mask=torch.ones(3, 4, dtype=torch.bool))
+
+
+def test_masked_normalize_uses_only_the_counted_entries():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 8, generator=g, dtype=F64) * 3 + 1
+    mask = torch.arange(8)[None, :] < torch.tensor([8, 3, 1, 5, 6])[:, None]
+    garbage = torch.where(mask, x, float("nan"))
+    y = normalize(garbage, mask=mask)
+    assert torch.equal(y[~mask], torch.zeros(int((~mask).sum()), dtype=F64))
+    torch.testing.assert_close(y[mask], normalize(x[mask]), rtol=1e-12, atol=1e-12)
+    valid = y[mask].tolist()
+    mean = sum(valid) / len(valid)
+    assert mean == pytest.approx(0.0, abs=1e-12)
+    assert math.sqrt(sum((u - mean) ** 2 for u in valid) / len(valid)) == pytest.approx(1.0, abs=1e-6)  # eps
+    # Per row (dim=1, per-sequence whitening): each row's counted entries alone; row 2 has one entry -> 0.
+    rows = normalize(garbage, dim=1, mask=mask.float())
+    for b in range(5):
+        expected = normalize(x[b][mask[b]]) if mask[b].sum() > 1 else torch.zeros(1, dtype=F64)
+        torch.testing.assert_close(rows[b][mask[b]], expected, rtol=1e-12, atol=1e-12)
+        assert torch.equal(rows[b][~mask[b]], torch.zeros(int((~mask[b]).sum()), dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_masked_normalize_constant_counted_entries_are_exactly_zero(dtype):
+    for n in (2, 3, 7, 100, 4097):
+        for value in CONSTANT_VALUES:
+            x = torch.full((n + 3,), value, dtype=dtype)
+            x[n:] = torch.tensor([5.0, -1e6, float("inf")], dtype=dtype)  # padding that varies
+            mask = torch.arange(n + 3) < n
+            assert torch.equal(normalize(x, mask=mask), torch.zeros_like(x)), (n, value)
+    # Nothing counted, or one entry: zeros, never NaN.
+    x = torch.randn(4, 3, dtype=dtype)
+    assert torch.equal(normalize(x, mask=torch.zeros(4, 3, dtype=torch.bool)), torch.zeros_like(x))
+    assert torch.equal(normalize(x, dim=1, mask=torch.eye(4, 3, dtype=torch.bool)), torch.zeros_like(x))
+
+
+def test_masked_normalize_keeps_a_counted_nan_and_checks_the_shape():
+    x = torch.tensor([1.0, float("nan"), 3.0, 4.0])
+    y = normalize(x, mask=torch.tensor([1, 1, 1, 0]))
+    assert torch.isnan(y[:3]).all() and y[3].item() == 0.0  # the update's non-finite guard still sees it
+    with pytest.raises(ValueError, match=r"normalize: mask has shape \(3,\), x has \(4,\)"):
+        normalize(x, mask=torch.ones(3))
