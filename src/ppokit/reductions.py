@@ -74,7 +74,7 @@ def _seq_mean_token_sum_norm(x: Tensor, mask: Tensor | None, normalizer: float |
     return per_seq.sum() / (keep.sum(-1) > 0).sum().clamp(min=1)
 
 
-_Reduction = Callable[[Tensor, "Tensor | None", "float | None"], Tensor]
+_Reduction = Callable[[Tensor, Tensor | None, float | None], Tensor]
 
 # The modes by name (a table, not an if-ladder). ``mean`` and ``token_mean`` are the same reduction: ``mean`` is
 # the name an RL batch reads naturally, ``token_mean`` the one a token trainer does.
