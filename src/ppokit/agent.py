@@ -119,11 +119,17 @@ def _check_env_fits(policy: ActorCritic, env: Any, env_id: str, spaces: dict | N
                      f"observation space {obs_space} and action space {act_space}")
 
 
+def _run_kwargs(config: PPOConfig, env_id: str) -> dict:
+    """The run's env_kwargs apply to the run's own env id; another id gets none."""
+    return dict(config.env_kwargs) if env_id == config.env_id else {}
+
+
 def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
          allow_import: Any = ()) -> Agent:
     """Load the agent saved in ``run_dir`` (or a checkpoint file path).
 
-    ``env_id`` is the env the agent will act in (default: the run's); it must have the run's spaces. A stored
+    ``env_id`` is the env the agent will act in (default: the run's, built with the run's env_kwargs); it must
+    have the run's spaces. A stored
     ``"module:Env-v0"`` id is refused unless ``module`` is in ``allow_import`` or ``env_id`` replaces it: loading
     never imports a module that only the checkpoint names. A damaged, diverged or inconsistent checkpoint raises
     :class:`~ppokit.checkpoint.CheckpointError`; an env with other spaces raises ``ValueError``.
@@ -164,7 +170,7 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
         # Build the env only when needed: to check the caller's env, or for old checkpoints' action bounds.
         from .envs import make_eval_env
 
-        env = make_eval_env(act_env)
+        env = make_eval_env(act_env, env_kwargs=_run_kwargs(config, act_env))
         try:
             _check_env_fits(policy, env, act_env, spaces)
             if policy.kind == "continuous":
@@ -177,15 +183,23 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
 
 
 def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, deterministic: bool = True,
-             seed: int = 10_000, video_dir: str | Path | None = None) -> dict[str, Any]:
+             seed: int = 10_000, video_dir: str | Path | None = None, *,
+             env_kwargs: dict | None = None) -> dict[str, Any]:
     """Run ``episodes`` full episodes; returns ``{"mean", "std", "returns", "lengths"}`` of raw returns.
 
     ``env_id`` defaults to the env the agent was loaded for; another env must have the run's spaces.
+    ``env_kwargs`` default to the run's for the run's own env id (none for another id).
     """
     from .envs import make_eval_env
 
     env_id = env_id or agent.env_id
-    env = make_eval_env(env_id, render_mode="rgb_array" if video_dir else None)
+    if env_kwargs is None:
+        env_kwargs = _run_kwargs(agent.config, env_id)
+    else:
+        from .config import _coerce
+
+        env_kwargs = _coerce("env_kwargs", env_kwargs, strict=True)
+    env = make_eval_env(env_id, render_mode="rgb_array" if video_dir else None, env_kwargs=env_kwargs)
     try:
         _check_env_fits(agent.policy, env, env_id, agent.spaces)
     except ValueError:

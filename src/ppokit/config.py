@@ -7,8 +7,11 @@ runs before any environment is created: an invalid value raises ``ConfigError`` 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +62,8 @@ class PPOConfig:
     num_envs: int = _f(4, "number of parallel environments N")
     vector_mode: str = _f("sync", "vectorization: sync (one process), async (subprocesses), native (the env's "
                           "batched version) or envpool (the optional envpool package)")
+    env_kwargs: dict[str, Any] = _f({}, "keyword arguments for the env's constructor (gym.make / make_vec), as a "
+                                    "JSON object on the command line, e.g. '{\"map_name\": \"8x8\"}', or a TOML table")
     normalize_obs: bool = _f(False, "normalize observations by a running mean/std (clipped to +-10)")
     normalize_reward: bool = _f(False, "scale rewards by the running std of the discounted return (clipped to +-10)")
     # --- rollout and schedule ---
@@ -237,7 +242,8 @@ class PPOConfig:
     # ---------------------------------------------------------------- serialization
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (lists copied)."""
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else v) for f in dataclasses.fields(self)}
+        return {f.name: (copy.deepcopy(v) if isinstance(v := getattr(self, f.name), (list, dict)) else v)
+                for f in dataclasses.fields(self)}
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -318,9 +324,15 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table on one line, so a planner comment above the key stays above it
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
 
 
 _FIELD_TYPES: dict[str, str] = {}
@@ -332,6 +344,7 @@ def _field_kind(name: str) -> str:
             t = str(f.type)
             kind = ("bool" if t == "bool" else "int" if t == "int" else "float" if t == "float"
                     else "optfloat" if t.startswith("float |") else "intlist" if t.startswith("list")
+                    else "kwargs" if t.startswith("dict")
                     else "optstr" if t.startswith("str |") else "str")
             _FIELD_TYPES[f.name] = kind
     return _FIELD_TYPES[name]
@@ -340,7 +353,9 @@ def _field_kind(name: str) -> str:
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 _EXPECTED = {"bool": "true or false", "int": "an integer", "float": "a number", "optfloat": "a number or none",
              "intlist": "a list of integers (on the command line: comma-separated, e.g. 64,64)",
-             "str": "a string", "optstr": "a string or none"}
+             "str": "a string", "optstr": "a string or none",
+             "kwargs": "a table of keyword arguments (on the command line: a JSON object, e.g. "
+                       "'{\"map_name\": \"8x8\"}')"}
 
 
 class _BadValue(Exception):
@@ -411,12 +426,61 @@ def _coerce(name: str, value: Any, strict: bool = False) -> Any:
             if not isinstance(value, (list, tuple)):
                 raise _BadValue
             return [_int(v, isinstance(v, str) and text) for v in value]
+        if kind == "kwargs":
+            return _kwargs(value, text)
         if isinstance(value, str):
             return value
         raise _BadValue
     except (_BadValue, TypeError, ValueError, OverflowError) as exc:
         hint = f" ({exc})" if isinstance(exc, _BadValue) and str(exc) else ""
         raise ConfigError(name, f"expected {_EXPECTED[kind]}, got {_show(raw)}{hint}") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _BadValue(f"{name} is not a finite number")
+
+
+def _kwargs(value: Any, text: bool) -> dict[str, Any]:
+    """Env constructor keyword arguments: a dict (as text, a JSON object) of identifier keys and plain values.
+
+    Plain means what both TOML (config.toml, the checkpoint) and JSON can hold and what a checkpoint loads
+    without unpickling code: numbers, strings, bools and lists of them. No null (TOML has none: leave the key
+    out), no nested tables, no NaN/Infinity (json.loads would otherwise accept them).
+    """
+    if text:
+        try:
+            value = json.loads(value, parse_constant=_refuse_constant)
+        except json.JSONDecodeError as exc:
+            raise _BadValue(f"not valid JSON: {exc.msg} at character {exc.pos}") from None
+        except RecursionError:
+            raise _BadValue("the JSON is nested too deeply") from None
+        if not isinstance(value, dict):
+            raise _BadValue(f"the JSON must be an object {{...}}, not a {type(value).__name__}")
+    if not isinstance(value, dict):
+        raise _BadValue
+    out = {}
+    for key, item in value.items():
+        if not (isinstance(key, str) and key.isidentifier()):
+            raise _BadValue(f"key {_show(key)} is not a Python identifier, so it cannot be a keyword argument")
+        out[key] = _plain_value(key, item)
+    return out
+
+
+def _plain_value(key: str, value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if abs(value) > INT_MAX:
+            raise _BadValue(f"{key}={_show(value)} does not fit a 64-bit integer (TOML's range)")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _BadValue(f"{key}={_show(value)} is not a finite number")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain_value(key, v) for v in value]
+    what = "null has no TOML form; leave the key out" if value is None else f"a {type(value).__name__}"
+    raise _BadValue(f"{key} must be a number, string, bool or list, got {_show(value)} ({what})")
 
 
 def _show(value: Any) -> str:

@@ -93,7 +93,7 @@ class Trainer:
 
         # Environments and the policy pi_theta.
         try:
-            self.envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode)
+            self.envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode, cfg.env_kwargs)
         except (ValueError, EnvError):
             raise  # an unknown id or unsupported spaces: already one clear line
         except Exception as exc:  # noqa: BLE001 - an env whose constructor raises: one line, not its traceback
@@ -458,7 +458,7 @@ class Trainer:
         if self._eval_envs is None:
             # Batched (native) where the env has one: an evaluation then costs about as much as a rollout step.
             mode = "native" if spec.vector_entry_point is not None else "sync"
-            self._eval_envs = make_vec_env(cfg.env_id, n, None, mode)
+            self._eval_envs = make_vec_env(cfg.env_id, n, None, mode, cfg.env_kwargs)
         actor = self.optimizer.kernel.actor_head if self.fused else self.policy.actor  # no critic, no log-prob
         eval_space = self._eval_envs.single_observation_space
 

@@ -18,6 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--video", default=None, metavar="DIR", help="record every episode to DIR with RecordVideo")
     p.add_argument("--env", default=None, help="evaluate on another env id with the run's spaces (default: the "
                    "run's); a 'module:Env-v0' id given here imports module")
+    p.add_argument("--env-kwargs", default=None, metavar="JSON", dest="env_kwargs",
+                   help="keyword arguments for the env's constructor as a JSON object, e.g. '{\"map_name\": \"8x8\"}' "
+                   "(default: the run's env_kwargs when evaluating on the run's own env id, none for another id)")
     p.add_argument("--import-module", action="append", default=[], metavar="MODULE", dest="import_module",
                    help="allow importing MODULE for the run's stored 'MODULE:Env-v0' env id (repeatable)")
     p.add_argument("--seed", type=int, default=10_000, help="seed of the first episode (default: 10000)")
@@ -60,10 +63,16 @@ def run(args: argparse.Namespace) -> int:
         return fail("--episodes must be >= 1")
     import gymnasium as gym
 
+    from ppokit.config import ConfigError, _coerce
+
+    try:
+        env_kwargs = None if args.env_kwargs is None else _coerce("env_kwargs", args.env_kwargs)
+    except ConfigError as exc:
+        return fail(str(exc))
     try:
         agent = load(args.run_dir, env_id=args.env, allow_import=tuple(args.import_module))
         result = evaluate(agent, args.env, episodes=args.episodes, deterministic=args.deterministic,
-                          seed=args.seed, video_dir=args.video)
+                          seed=args.seed, video_dir=args.video, env_kwargs=env_kwargs)
     except CheckpointError as exc:
         return fail(str(exc))
     except gym.error.DependencyNotInstalled as exc:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import sys
 from typing import Any
 
 import gymnasium as gym
@@ -29,7 +31,7 @@ def _import_env_module(env_id: str, module: str) -> None:
     if not module or ":" in env_id.partition(":")[2]:
         raise ValueError(f"env id {env_id!r} is malformed: the form is 'module:EnvName-v0' (one colon)")
     try:
-        importlib.import_module(module)
+        _import_from_cwd(module)
     except ModuleNotFoundError as exc:
         if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
             raise ValueError(f"env id {env_id!r}: there is no module named {module!r} to import "
@@ -38,6 +40,27 @@ def _import_env_module(env_id: str, module: str) -> None:
     except Exception as exc:  # noqa: BLE001 - whatever the module raises, the user gets one line, not its traceback
         raise ValueError(f"env id {env_id!r}: importing module {module!r} failed: "
                          f"{type(exc).__name__}: {exc}") from None
+
+
+def _import_from_cwd(module: str) -> None:
+    """Import ``module`` the way ``python -m`` would find it: the current directory first.
+
+    The installed ``ppokit`` console script puts its own bin directory on sys.path, not the current directory, so
+    ``ppokit train --env mymod:MyEnv-v0`` next to ``mymod.py`` would not find it. The directory goes first only for
+    this import (the module the user named is the one in the directory they work in), then stays at the end of
+    sys.path, where the module's lazy imports (a registration's ``entry_point="mymod.envs:MyEnv"``, async workers
+    started by spawn) still find it but nothing installed is shadowed later.
+    """
+    cwd = os.getcwd()
+    if "" in sys.path or cwd in sys.path:
+        importlib.import_module(module)
+        return
+    sys.path.insert(0, cwd)
+    try:
+        importlib.import_module(module)
+    finally:
+        sys.path.remove(cwd)
+        sys.path.append(cwd)
 
 
 def _ensure_registered() -> None:
@@ -156,6 +179,15 @@ def check_spaces(env: Any) -> str:
     )
 
 
+def _env_kwargs_error(env_id: str, kwargs: dict, exc: BaseException) -> ValueError:
+    """The env's constructor refused ``env_kwargs``: one line naming the field (Gymnasium raises a TypeError for
+    an unknown keyword; an env may raise a KeyError for a value it does not know, as FrozenLake for a map_name)."""
+    from ppokit.config import ConfigError
+
+    text = str(exc).split(" was raised from the environment creator")[0]  # Gymnasium appends all the kwargs
+    return ConfigError("env_kwargs", f"{env_id} refused {kwargs}: {type(exc).__name__}: {text}")
+
+
 def make_vec_env(
     env_id: str,
     num_envs: int,
@@ -164,38 +196,43 @@ def make_vec_env(
     env_kwargs: dict[str, Any] | None = None,
 ) -> gym.vector.VectorEnv:
     """Build ``num_envs`` envs, un-reset: "sync"/"async" with SAME_STEP autoreset, "native" the env's own vector
-    class, "envpool" the optional envpool package (NEXT_STEP autoreset)."""
+    class, "envpool" the optional envpool package (NEXT_STEP autoreset).
+
+    ``env_kwargs`` go to the env's constructor (gym.make_vec / envpool.make).
+    """
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
     if vector_mode not in VECTOR_MODES:
         raise ValueError(f"vector_mode must be one of {VECTOR_MODES}, got {vector_mode!r}")
     kwargs = dict(env_kwargs or {})
+    same_step = gym.vector.AutoresetMode.SAME_STEP
 
-    if vector_mode == "envpool":
-        from ppokit.envs.envpool_backend import EnvPoolVectorEnv
+    try:
+        if vector_mode == "envpool":
+            from ppokit.envs.envpool_backend import EnvPoolVectorEnv
 
-        # envpool has its own task list (Atari and MuJoCo need no Gymnasium registration there).
-        env = EnvPoolVectorEnv(env_id, int(num_envs), seed, **kwargs)
-    elif vector_mode in ("sync", "async"):
-        check_env_id(env_id)
-        # make_vec hands sub-processes an EnvSpec whose entry point is an import string,
-        # so workers import ppokit.envs.gridworld themselves and need no registry state.
-        env = gym.make_vec(
-            env_id,
-            num_envs=int(num_envs),
-            vectorization_mode=vector_mode,
-            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-            **kwargs,
-        )
-    else:
-        check_env_id(env_id)
-        spec = _get_spec(env_id)
-        if spec.vector_entry_point is None:
-            raise ValueError(
-                f"vector_mode='native' is not available for {env_id!r}: it has no vector entry point. "
-                "Use vector_mode='sync' (or 'async')."
-            )
-        env = gym.make_vec(env_id, num_envs=int(num_envs), vectorization_mode="vector_entry_point", **kwargs)
+            # envpool has its own task list (Atari and MuJoCo need no Gymnasium registration there); env_kwargs are
+            # its config keys (envpool.make refuses unknown ones with a TypeError, like Gymnasium).
+            env = EnvPoolVectorEnv(env_id, int(num_envs), seed, **kwargs)
+        elif vector_mode in ("sync", "async"):
+            check_env_id(env_id)
+            # make_vec hands sub-processes an EnvSpec whose entry point is an import string,
+            # so workers import ppokit.envs.gridworld themselves and need no registry state.
+            env = gym.make_vec(env_id, num_envs=int(num_envs), vectorization_mode=vector_mode,
+                               vector_kwargs={"autoreset_mode": same_step}, **kwargs)
+        else:
+            check_env_id(env_id)
+            spec = _get_spec(env_id)
+            if spec.vector_entry_point is None:
+                raise ValueError(
+                    f"vector_mode='native' is not available for {env_id!r}: it has no vector entry point. "
+                    "Use vector_mode='sync' (or 'async')."
+                )
+            env = gym.make_vec(env_id, num_envs=int(num_envs), vectorization_mode="vector_entry_point", **kwargs)
+    except (TypeError, KeyError) as exc:
+        if kwargs:
+            raise _env_kwargs_error(env_id, kwargs, exc) from exc
+        raise
 
     try:
         check_spaces(env)
@@ -215,9 +252,14 @@ def make_eval_env(
     render_mode: str | None = None,
     env_kwargs: dict[str, Any] | None = None,
 ) -> gym.Env:
-    """Build one (un-reset) env for evaluation or rendering."""
+    """Build one (un-reset) env for evaluation or rendering: ``gym.make(env_id, **env_kwargs)``."""
     check_env_id(env_id)
     kwargs = dict(env_kwargs or {})
     if render_mode is not None:
         kwargs["render_mode"] = render_mode
-    return gym.make(env_id, **kwargs)
+    try:
+        return gym.make(env_id, **kwargs)
+    except (TypeError, KeyError) as exc:
+        if env_kwargs:
+            raise _env_kwargs_error(env_id, dict(env_kwargs), exc) from exc
+        raise

@@ -1,0 +1,244 @@
+"""Custom envs the way users bring them: ``env_kwargs`` for the env's constructor (``--env-kwargs`` JSON, a TOML
+table), and ``module:EnvId`` importing a module from the current directory, also under the installed ``ppokit``
+console script.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
+
+from ppokit.agent import evaluate, load
+from ppokit.checkpoint import load_checkpoint
+from ppokit.cli import main
+from ppokit.config import ConfigError, PPOConfig
+from ppokit.envs import make_vec_env
+from ppokit.trainer import train
+
+SMALL = dict(num_steps=16, num_minibatches=2, update_epochs=1, total_timesteps=64, tensorboard=False, log_every=1)
+
+
+class OneHot(gym.ObservationWrapper):
+    """FrozenLake's Discrete(16) position as a one-hot float vector."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Box(0.0, 1.0, (int(env.observation_space.n),), np.float32)
+
+    def observation(self, obs):
+        out = np.zeros(self.observation_space.shape, np.float32)
+        out[int(obs)] = 1.0
+        return out
+
+
+def _frozen_lake_one_hot(**kwargs):
+    return OneHot(FrozenLakeEnv(**kwargs))
+
+
+LAKE = "ppokit_test/FrozenLakeOneHot-v0"
+if LAKE not in gym.registry:
+    # FrozenLake itself (its constructor takes the env_kwargs), one-hot encoded so that an MLP reads it.
+    gym.register(LAKE, entry_point=_frozen_lake_one_hot, max_episode_steps=100)
+
+
+def _slippery(env) -> bool:
+    """True when some (state, action) of a FrozenLake has more than one outcome (FrozenLake's P table)."""
+    table = env.unwrapped.P
+    return any(len(outcomes) > 1 for actions in table.values() for outcomes in actions.values())
+
+
+# ------------------------------------------------------------------ env_kwargs
+def test_env_kwargs_from_the_cli_reach_config_toml_the_env_and_a_resume(tmp_path, monkeypatch, capsys):
+    import ppokit.envs
+
+    built = []
+    real = ppokit.envs.make_vec_env
+
+    def spy(env_id, num_envs, seed, vector_mode="sync", env_kwargs=None):
+        envs = real(env_id, num_envs, seed, vector_mode, env_kwargs)
+        built.append((dict(env_kwargs or {}), [_slippery(e) for e in envs.envs]))
+        return envs
+
+    monkeypatch.setattr(ppokit.envs, "make_vec_env", spy)
+    run_dir = tmp_path / "run"
+    argv = ["train", "--env", LAKE, "--env-kwargs", '{"is_slippery": false, "map_name": "4x4"}', "--num-envs", "2",
+            "--num-steps", "32", "--total-timesteps", "64", "--run-dir", str(run_dir), "--quiet", "--no-tensorboard"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert built == [({"is_slippery": False, "map_name": "4x4"}, [False, False])]
+    assert 'env_kwargs = {is_slippery = false, map_name = "4x4"}' in (run_dir / "config.toml").read_text()
+    assert PPOConfig.from_toml(run_dir / "config.toml").env_kwargs == {"is_slippery": False, "map_name": "4x4"}
+    assert load_checkpoint(run_dir / "checkpoint.pt")["config"]["env_kwargs"] == {"is_slippery": False,
+                                                                                 "map_name": "4x4"}
+
+    assert main(["train", "--resume", str(run_dir), "--total-timesteps", "128", "--quiet"]) == 0
+    assert built[-1] == ({"is_slippery": False, "map_name": "4x4"}, [False, False])
+    # The default really is slippery, so the assertions above could fail.
+    assert _slippery(gym.make(LAKE)) and not _slippery(gym.make("FrozenLake-v1", is_slippery=False))
+
+
+def test_evaluation_uses_the_runs_env_kwargs(tmp_path, capsys):
+    config = PPOConfig(env_id=LAKE, env_kwargs={"map_name": "8x8"}, num_envs=2, **SMALL)
+    train(config, run_dir=tmp_path / "run", console_enabled=False)
+    agent = load(tmp_path / "run")
+    # 8x8 has 64 states: without the run's kwargs the 4x4 default (16) would not fit the policy.
+    assert len(evaluate(agent, episodes=1)["returns"]) == 1
+    assert main(["eval", str(tmp_path / "run"), "--episodes", "1"]) == 0
+    assert main(["eval", str(tmp_path / "run"), "--episodes", "1", "--env-kwargs", '{"map_name": "4x4"}']) == 2
+    assert "does not match the trained policy" in " ".join(capsys.readouterr().err.split())
+    assert main(["eval", str(tmp_path / "run"), "--episodes", "1", "--env-kwargs", "{bad"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "config field 'env_kwargs'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode,env_id,kwargs,check", [
+    ("sync", LAKE, {"is_slippery": False}, lambda envs: not any(_slippery(e) for e in envs.envs)),
+    ("async", LAKE, {"map_name": "8x8"}, lambda envs: envs.single_observation_space.shape == (64,)),
+    ("native", "CartPole-v1", {"max_episode_steps": 7}, lambda envs: envs.max_episode_steps == 7),
+], ids=["sync", "async", "native"])
+def test_env_kwargs_reach_every_vector_mode(mode, env_id, kwargs, check):
+    envs = make_vec_env(env_id, 2, 0, mode, kwargs)
+    try:
+        assert check(envs)
+    finally:
+        envs.close()
+
+
+def test_env_kwargs_reach_envpool():
+    pytest.importorskip("envpool", reason="envpool is optional: pip install -e '.[envpool]'")
+    envs = make_vec_env("CartPole-v1", 2, 0, "envpool", {"max_episode_steps": 7})
+    try:
+        assert envs._pool.spec.config.max_episode_steps == 7
+        envs.reset(seed=0)
+        for _ in range(7):
+            *_, truncated, _ = envs.step(np.zeros(2, dtype=np.int64))
+        assert truncated.all()
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize("mode,env_id", [("sync", LAKE), ("async", LAKE), ("native", "CartPole-v1"),
+                                         ("envpool", "CartPole-v1")])
+def test_an_unknown_env_kwarg_is_a_config_error_naming_it(mode, env_id):
+    if mode == "envpool":
+        pytest.importorskip("envpool", reason="envpool is optional: pip install -e '.[envpool]'")
+    with pytest.raises(ConfigError) as e:
+        make_vec_env(env_id, 2, 0, mode, {"no_such_arg": 1})
+    assert e.value.field == "env_kwargs" and "no_such_arg" in str(e.value)
+    assert "was raised from the environment creator" not in str(e.value)  # Gymnasium's kwargs dump is cut
+
+
+def test_a_bad_env_kwarg_on_the_real_cli_is_one_line_exit_2(tmp_path):
+    env = {**os.environ, "COLUMNS": "200"}
+    for value, words in [('{"no_such_arg": 1}', "no_such_arg"), ('{"map_name": "9x9"}', "KeyError"),
+                         ("{not json", "not valid JSON")]:
+        proc = subprocess.run([sys.executable, "-m", "ppokit.cli", "train", "--env", "FrozenLake-v1", "--env-kwargs",
+                               value, "--preset", "gridworld", "--quiet"], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "config field 'env_kwargs'" in proc.stderr and words in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("text", [
+    'env_kwargs = { is_slippery = false, map_name = "4x4" }',
+    '[env_kwargs]\nis_slippery = false\nmap_name = "4x4"',
+    '[ppo]\nnum_envs = 2\n[ppo.env_kwargs]\nis_slippery = false\nmap_name = "4x4"',
+], ids=["inline-table", "table", "under-ppo"])
+def test_env_kwargs_in_toml(text, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(text + "\n")
+    config = PPOConfig.from_toml(path)
+    assert config.env_kwargs == {"is_slippery": False, "map_name": "4x4"}
+    # config.toml round trip, including the values TOML and JSON share.
+    config.env_kwargs = {"a": [1, 2.5, "x", [True]], "café": -3}  # a non-ASCII identifier is a quoted TOML key
+    path.write_text(config.to_toml())
+    assert PPOConfig.from_toml(path).env_kwargs == {"a": [1, 2.5, "x", [True]], "café": -3}
+
+
+def test_env_kwargs_from_python_are_checked_and_copied():
+    kwargs = {"map_name": "8x8"}
+    config = PPOConfig(env_kwargs=kwargs)
+    assert config.to_dict()["env_kwargs"] is not kwargs  # a checkpoint's config never aliases the caller's dict
+    assert PPOConfig.from_dict({"env_kwargs": '{"a": [1, 2]}'}).env_kwargs == {"a": [1, 2]}
+    for bad in [{"a": None}, {1: 2}, {"a": {"b": 1}}, {"a": float("nan")}, "{}", [("a", 1)]]:
+        with pytest.raises(ConfigError) as e:
+            PPOConfig(env_kwargs=bad).validate()
+        assert e.value.field == "env_kwargs"
+
+
+# ------------------------------------------------------------------ module:EnvId from the current directory
+MYMOD = textwrap.dedent("""
+    import gymnasium as gym
+    import numpy as np
+
+
+    class MyEnv(gym.Env):
+        observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def __init__(self, goal=1):
+            self.goal, self.t = goal, 0
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.t = 0
+            return np.zeros(3, np.float32), {}
+
+        def step(self, action):
+            self.t += 1
+            return np.zeros(3, np.float32), float(action == self.goal), False, self.t >= 10, {}
+
+
+    gym.register("MyEnv-v0", entry_point="mymod:MyEnv")
+""")
+
+
+def _console_script() -> str:
+    script = Path(sys.executable).parent / "ppokit"
+    if not script.exists():
+        pytest.skip("the ppokit console script is not installed next to this python (pip install -e .)")
+    return str(script)
+
+
+def test_module_env_id_imports_from_the_cwd_under_the_console_script(tmp_path):
+    (tmp_path / "mymod.py").write_text(MYMOD)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["COLUMNS"] = "200"
+    proc = subprocess.run([_console_script(), "train", "--env", "mymod:MyEnv-v0", "--env-kwargs", '{"goal": 0}',
+                           "--num-envs", "2", "--num-steps", "32", "--total-timesteps", "64", "--run-dir", "run",
+                           "--quiet", "--no-tensorboard"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    saved = PPOConfig.from_toml(tmp_path / "run" / "config.toml")
+    assert (saved.env_id, saved.env_kwargs) == ("mymod:MyEnv-v0", {"goal": 0})
+    # A stored module id still needs permission to be imported again (a checkpoint never chooses what runs).
+    proc = subprocess.run([_console_script(), "train", "--resume", "run", "--total-timesteps", "128", "--quiet"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=180)
+    assert proc.returncode == 2 and "--import-module mymod" in proc.stderr, proc.stderr
+    proc = subprocess.run([_console_script(), "train", "--resume", "run", "--total-timesteps", "128", "--quiet",
+                           "--import-module", "mymod"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_cwd_goes_to_the_end_of_sys_path_after_the_import(tmp_path, monkeypatch):
+    from ppokit.envs.factory import check_env_id
+
+    (tmp_path / "mymod_cwd_probe.py").write_text(MYMOD.replace('"MyEnv-v0"', '"MyEnvCwdProbe-v0"')
+                                                 .replace("mymod:MyEnv", "mymod_cwd_probe:MyEnv"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymod_cwd_probe", raising=False)
+    check_env_id("mymod_cwd_probe:MyEnvCwdProbe-v0")
+    assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1
+    assert gym.make("MyEnvCwdProbe-v0").reset(seed=0)[0].shape == (3,)
+    sys.modules.pop("mymod_cwd_probe", None)
+    gym.registry.pop("MyEnvCwdProbe-v0", None)
