@@ -80,14 +80,13 @@ def record_steps(trainer: Trainer) -> list[tuple]:
 def test_annealed_clip_coef_reaches_the_update_and_the_log(tmp_path, monkeypatch, fused):
     """anneal_clip: update u (0-based) of n uses clip_coef * (1 - u/n), in the update itself and in the log."""
     used: list[float] = []
-    for name in ("ppo_update", "fused_ppo_update"):
-        real = getattr(trainer_mod, name)
+    real = trainer_mod.ppo_epochs
 
-        def spy(policy, optimizer, batch, s, *a, _real=real, **k):
-            used.append(s.clip_coef)
-            return _real(policy, optimizer, batch, s, *a, **k)
+    def spy(batch, s, *a, **k):
+        used.append(s.clip_coef)
+        return real(batch, s, *a, **k)
 
-        monkeypatch.setattr(trainer_mod, name, spy)
+    monkeypatch.setattr(trainer_mod, "ppo_epochs", spy)
     cfg = load_preset("gridworld")
     cfg.total_timesteps = 4 * cfg.batch_size
     cfg.run_dir, cfg.tensorboard, cfg.anneal_clip, cfg.fused_update = str(tmp_path / "r"), False, True, fused

@@ -70,13 +70,13 @@ def test_trainer_applies_beta_rule_to_measured_kl(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Trainer, "batch_kl", fake_batch_kl)
     used = []
-    real_update = trainer_mod.ppo_update
+    real_update = trainer_mod.ppo_epochs
 
-    def spy(policy, optimizer, batch, s, *a, **k):
+    def spy(batch, s, *a, **k):
         used.append(s.kl_beta)
-        return real_update(policy, optimizer, batch, s, *a, **k)
+        return real_update(batch, s, *a, **k)
 
-    monkeypatch.setattr(trainer_mod, "ppo_update", spy)
+    monkeypatch.setattr(trainer_mod, "ppo_epochs", spy)
     cfg = _tiny_config(tmp_path, "ppo-kl", updates=5, init_kl_beta=1.0, kl_target=0.01)
     run = train(cfg, console_enabled=False)
     # beta_{u+1} = rule(beta_u, KL_u):  1 -> 2 -> 4 -> 2 -> 2 -> 4

@@ -27,8 +27,11 @@ from .normalize import ObsNormalizer, RewardScaler
 from .objectives import explained_variance
 from .resources import check_memory, usable_threads
 from .policies import ActorCritic, build_policy
-from .update import Batch, UpdateSettings, ppo_update
-from .fused import FlatAdam, fused_ppo_update, supports as fused_supports
+from .epochs import Batch, UpdateSettings, ppo_epochs
+from .flat_adam import FlatAdam
+from .fused_step import FusedStep
+from .mlp_backward import supports as fused_supports
+from .update import AutogradStep
 
 __all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
 
@@ -220,8 +223,8 @@ class Trainer:
 
                 # 3. K epochs of minibatch updates
                 t0 = time.perf_counter()
-                update_fn = fused_ppo_update if self.fused else ppo_update
-                stats = update_fn(self.policy, self.optimizer, batch, self.update_settings(clip_coef))
+                step = FusedStep(self.optimizer) if self.fused else AutogradStep(self.policy, self.optimizer)
+                stats = ppo_epochs(batch, self.update_settings(clip_coef), step)
                 kl_after = self.batch_kl(batch)  # how far this update moved pi_theta from pi_old
                 if cfg.algo == "ppo-kl":
                     self.kl_beta = adapt_kl_beta(self.kl_beta, kl_after, cfg.kl_target)
