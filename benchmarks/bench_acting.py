@@ -1,9 +1,11 @@
-"""Per-call cost of acting: the fused kernel's ``FusedKernel.act`` against ``ActorCritic.act`` (eager modules).
+"""Per-call cost of acting: the acting kernel (``acting.ActingKernel.act``, reached as ``FlatAdam(policy).kernel.act``
+as the trainer does) against ``ActorCritic.act`` (eager modules).
 
 For CartPole's shapes (4 observations, 2 actions, 64x64 tanh actor and critic) and a continuous 1-D action head,
 at 8 and 1024 envs: the best of several timed blocks of calls, in microseconds per call, under inference mode on
-one thread. ``--fused-module PATH`` times another ``fused.py`` (for instance the previous revision, written out
-with ``git show HEAD:src/ppokit/fused.py > /tmp/fused_old.py``) side by side with the installed one.
+one thread. ``--fused-module PATH`` times another implementation side by side with the installed one: an
+``acting.py`` (for instance the previous revision, ``git show HEAD:src/ppokit/acting.py > /tmp/acting_old.py``)
+or a ``fused.py`` from before acting had its own module.
 
     python benchmarks/bench_acting.py [--smoke] [--envs 8,1024] [--fused-module PATH]
 """
@@ -23,7 +25,7 @@ import torch  # noqa: E402
 
 
 def load_fused(path: str | None):
-    """The installed ``ppokit.fused``, or the ``fused.py`` at ``path`` loaded as a module of the ppokit package."""
+    """The installed ``ppokit.fused``, or the file at ``path`` loaded as a module of the ppokit package."""
     import ppokit.fused
 
     if path is None:
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny budgets (checks the script runs; numbers meaningless)")
     p.add_argument("--envs", default="8,1024", help="comma-separated batch sizes (default 8,1024)")
-    p.add_argument("--fused-module", default=None, help="path of another fused.py to time next to the installed one")
+    p.add_argument("--fused-module", default=None,
+                   help="path of another acting.py (or pre-split fused.py) to time next to the installed one")
     args = p.parse_args(argv)
     from ppokit.policies import ActorCritic
 
@@ -74,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, mod in impls.items():
                 clone = ActorCritic(4, kind, dims, [64, 64], "tanh")
                 clone.load_state_dict(policy.state_dict())
-                fns[name] = mod.FlatAdam(clone).kernel.act
+                # An acting.py has ActingKernel (timed on its own); an older fused.py has FlatAdam(...).kernel.
+                fns[name] = mod.ActingKernel(clone).act if hasattr(mod, "ActingKernel") and not hasattr(
+                    mod, "FlatAdam") else mod.FlatAdam(clone).kernel.act
             with torch.inference_mode():
                 times = per_call_us(fns, obs, calls, repeats)
             for name, us in times.items():
