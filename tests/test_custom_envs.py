@@ -1,6 +1,6 @@
-"""Custom envs the way users bring them: ``env_kwargs`` for the env's constructor (``--env-kwargs`` JSON, a TOML
-table), and ``module:EnvId`` importing a module from the current directory, also under the installed ``ppokit``
-console script.
+"""Custom envs the way users bring them: ``train(config, env=factory | instance | id)``, ``env_kwargs`` for the env's
+constructor (``--env-kwargs`` JSON, a TOML table), and ``module:EnvId`` importing a module from the current
+directory, also under the installed ``ppokit`` console script.
 """
 
 from __future__ import annotations
@@ -17,13 +17,52 @@ import pytest
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
 
 from ppokit.agent import evaluate, load
-from ppokit.checkpoint import load_checkpoint
+from ppokit.checkpoint import CheckpointError, load_checkpoint
 from ppokit.cli import main
 from ppokit.config import ConfigError, PPOConfig
 from ppokit.envs import make_vec_env
-from ppokit.trainer import train
+from ppokit.trainer import Trainer, resume, train
 
 SMALL = dict(num_steps=16, num_minibatches=2, update_epochs=1, total_timesteps=64, tensorboard=False, log_every=1)
+
+
+class Corridor(gym.Env):
+    """Walk right to the end of a 5-cell corridor. ``steps_taken`` counts every step ever (never reset), so an env
+    whose state was restored from a checkpoint differs from a freshly reset one."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (5,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self):
+        self.pos, self.t, self.steps_taken = 0, 0, 0
+
+    def _obs(self):
+        obs = np.zeros(5, np.float32)
+        obs[self.pos] = 1.0
+        return obs
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos, self.t = int(self.np_random.integers(0, 2)), 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.steps_taken += 1
+        self.t += 1
+        self.pos = min(4, self.pos + 1) if action == 1 else max(0, self.pos - 1)
+        return self._obs(), float(self.pos == 4), self.pos == 4, self.t >= 20, {}
+
+
+class CountSteps(gym.Wrapper):
+    """A user's wrapper: counts the steps that went through it."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.count = 0
+
+    def step(self, action):
+        self.count += 1
+        return self.env.step(action)
 
 
 class OneHot(gym.ObservationWrapper):
@@ -55,6 +94,140 @@ def _slippery(env) -> bool:
     return any(len(outcomes) > 1 for actions in table.values() for outcomes in actions.values())
 
 
+def _trainer(config, run_dir, **kw) -> Trainer:
+    return Trainer(config, run_dir=run_dir, console_enabled=False, **kw)
+
+
+# ------------------------------------------------------------------ a factory
+def test_train_with_a_factory_builds_num_envs_and_records_the_env(tmp_path):
+    calls = []
+
+    def make_corridor():
+        calls.append(1)
+        return Corridor()
+
+    run = train(PPOConfig(num_envs=3, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=make_corridor)
+    assert len(calls) == 3 and run.global_step == 48  # one batch of 3 envs x 16 steps
+    assert run.config.env_id == "custom:Corridor"  # no spec: the unwrapped class names it
+    saved = PPOConfig.from_toml(tmp_path / "run" / "config.toml")
+    assert saved.env_id == "custom:Corridor"
+    state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert state["custom_env"] == {"kind": "factory", "name": "custom:Corridor"}
+
+
+def test_a_factory_runs_under_async_too(tmp_path):
+    run = train(PPOConfig(num_envs=2, vector_mode="async", **SMALL), run_dir=tmp_path / "run", console_enabled=False,
+                env=Corridor)  # a class is a zero-argument factory
+    assert run.global_step == 64 and run.config.env_id == "custom:Corridor"
+
+
+def test_sync_envs_from_a_factory_have_their_state_checkpointed_and_restored(tmp_path):
+    config = PPOConfig(num_envs=2, **SMALL)
+    trainer = _trainer(config, tmp_path / "run", env=Corridor)
+    trainer.run()
+    trained = [(e.unwrapped.pos, e.unwrapped.t, e.unwrapped.steps_taken) for e in trainer.envs.envs]
+    assert all(steps == 32 for *_, steps in trained)
+
+    state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert state["env_state"] is not None
+    resumed = _trainer(PPOConfig.from_dict(state["config"]), tmp_path / "run", env=Corridor, resume_state=state)
+    try:
+        # A fresh env would have steps_taken == 0: these continue where the checkpoint left them.
+        assert [(e.unwrapped.pos, e.unwrapped.t, e.unwrapped.steps_taken) for e in resumed.envs.envs] == trained
+        np.testing.assert_array_equal(resumed.next_obs_raw, trainer.next_obs_raw)
+    finally:
+        resumed._abandon()
+
+
+def test_resume_of_a_factory_run_needs_the_env_again(tmp_path):
+    train(PPOConfig(num_envs=2, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=Corridor)
+    with pytest.raises(CheckpointError, match=r"trained on an env factory .*'custom:Corridor'.*env=\.\.\."):
+        resume(tmp_path / "run", total_timesteps=128, console_enabled=False)
+    run = resume(tmp_path / "run", total_timesteps=128, console_enabled=False, env=Corridor)
+    assert run.global_step == 128 and run.config.env_id == "custom:Corridor"
+
+
+def test_the_cli_cannot_resume_or_evaluate_a_factory_run_and_says_why(tmp_path, capsys):
+    train(PPOConfig(num_envs=2, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=Corridor)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run"), "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'custom:Corridor'" in err and "pass the same env again" in err and "Traceback" not in err
+    # Never "would import the Python module 'custom'": the record is a name, not a module to import.
+    assert main(["eval", str(tmp_path / "run"), "--episodes", "1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "trained on an env factory" in err and "--env" in err and "import" not in err.replace("ppokit.", "")
+
+
+def test_load_and_evaluate_a_factory_run_with_the_env_passed_again(tmp_path):
+    train(PPOConfig(num_envs=2, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=Corridor)
+    agent = load(tmp_path / "run")  # acting needs no env
+    assert agent.act(Corridor()._obs()) in (0, 1)
+    with pytest.raises(ValueError, match=r"trained on an env factory .*evaluate\(agent, env=\.\.\.\)"):
+        evaluate(agent, episodes=1)
+    assert len(evaluate(agent, env=Corridor, episodes=2)["returns"]) == 2
+    assert len(evaluate(load(tmp_path / "run", env=Corridor), episodes=2)["returns"]) == 2
+    # An env of other spaces is refused naming both sides.
+    with pytest.raises(ValueError, match="does not match the trained policy"):
+        load(tmp_path / "run", env=lambda: gym.make("CartPole-v1"))
+
+
+# ------------------------------------------------------------------ an instance
+def test_train_with_an_instance(tmp_path):
+    env = Corridor()
+    run = train(PPOConfig(num_envs=1, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=env)
+    assert env.steps_taken == 64  # that very object was stepped, not a copy
+    assert run.config.env_id == "custom:Corridor"
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["custom_env"]["kind"] == "instance"
+    assert len(evaluate(load(tmp_path / "run"), env=env, episodes=1)["returns"]) == 1
+
+
+def test_train_with_a_wrapped_instance_records_its_spec_id_and_uses_the_wrapper(tmp_path):
+    env = CountSteps(gym.make("CartPole-v1"))
+    run = train(PPOConfig(num_envs=1, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=env)
+    assert env.count == 64  # through the user's wrapper: not rebuilt from the id
+    assert run.config.env_id == "CartPole-v1"
+    assert PPOConfig.from_toml(tmp_path / "run" / "config.toml").env_id == "CartPole-v1"
+    # The id alone would rebuild CartPole without the wrapper: the same env must be passed again.
+    with pytest.raises(CheckpointError, match=r"an env instance .*'CartPole-v1'"):
+        resume(tmp_path / "run", total_timesteps=128, console_enabled=False)
+    assert resume(tmp_path / "run", total_timesteps=128, console_enabled=False, env=env).global_step == 128
+    assert env.count == 128
+
+
+@pytest.mark.parametrize("fields,env,field,words", [
+    (dict(num_envs=2), "instance", "num_envs", "pass a factory instead"),
+    (dict(num_envs=1, vector_mode="async"), "instance", "vector_mode", "subprocess"),
+    (dict(num_envs=1, eval_every=1, eval_threshold=1.0), "instance", "eval_every", "pass a factory instead"),
+    (dict(num_envs=2, vector_mode="native"), "factory", "vector_mode", "registered id"),
+    (dict(num_envs=2, vector_mode="envpool"), "factory", "vector_mode", "registered id"),
+    (dict(num_envs=2, env_kwargs={"size": 5}), "factory", "env_kwargs", "give those arguments to your factory"),
+], ids=["instance-num_envs", "instance-async", "instance-eval-gate", "factory-native", "factory-envpool",
+        "factory-env_kwargs"])
+def test_what_a_custom_env_cannot_serve_is_refused_naming_the_field(fields, env, field, words, tmp_path):
+    given = Corridor() if env == "instance" else Corridor
+    with pytest.raises(ConfigError) as e:
+        train(PPOConfig(**{**SMALL, **fields}), run_dir=tmp_path / "run", console_enabled=False, env=given)
+    assert e.value.field == field and words in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("env,words", [
+    (lambda: "CartPole-v1", "returned str, not a gymnasium.Env"),
+    (42, "must be a registered id, a zero-argument callable"),
+    (gym.vector.SyncVectorEnv([Corridor]), "a vector env instance is not supported"),
+], ids=["factory-returns-a-string", "a-number", "a-vector-env"])
+def test_a_wrong_env_object_is_one_clear_error(env, words, tmp_path):
+    with pytest.raises(ValueError, match=words):
+        train(PPOConfig(num_envs=1, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=env)
+
+
+def test_an_id_given_as_env_replaces_the_configs(tmp_path):
+    config = PPOConfig(num_envs=2, **SMALL)
+    run = train(config, run_dir=tmp_path / "run", console_enabled=False, env="ppokit/GridWorld-v0")
+    assert run.config.env_id == "ppokit/GridWorld-v0" and config.env_id == "CartPole-v1"  # copied, not changed
+
+
 # ------------------------------------------------------------------ env_kwargs
 def test_env_kwargs_from_the_cli_reach_config_toml_the_env_and_a_resume(tmp_path, monkeypatch, capsys):
     import ppokit.envs
@@ -62,8 +235,8 @@ def test_env_kwargs_from_the_cli_reach_config_toml_the_env_and_a_resume(tmp_path
     built = []
     real = ppokit.envs.make_vec_env
 
-    def spy(env_id, num_envs, seed, vector_mode="sync", env_kwargs=None):
-        envs = real(env_id, num_envs, seed, vector_mode, env_kwargs)
+    def spy(env_id, num_envs, seed, vector_mode="sync", env_kwargs=None, env_fn=None):
+        envs = real(env_id, num_envs, seed, vector_mode, env_kwargs, env_fn=env_fn)
         built.append((dict(env_kwargs or {}), [_slippery(e) for e in envs.envs]))
         return envs
 

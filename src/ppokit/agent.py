@@ -21,11 +21,16 @@ class Agent:
 
     def __init__(self, policy: ActorCritic, config: PPOConfig, obs_norm: ObsNormalizer | None = None,
                  action_low: np.ndarray | None = None, action_high: np.ndarray | None = None,
-                 env_id: str | None = None, spaces: dict | None = None):
+                 env_id: str | None = None, spaces: dict | None = None, env_fn: Any = None,
+                 custom_env: dict | None = None):
         self.policy = policy.eval()
         self.config = config
         # The env the agent acts in by default (the run's, unless load() was given another) and the run's spaces.
         self.env_id = env_id or config.env_id
+        # A custom env given to load() (a CustomEnv), or the checkpoint's record of one that was not: then env_id
+        # is only a name, and evaluate() needs the env passed again.
+        self.env_fn = env_fn
+        self.custom_env = custom_env
         self.spaces = spaces
         self.obs_norm = obs_norm
         if obs_norm is not None:
@@ -62,19 +67,28 @@ class Agent:
         return float(v[0]) if single else v
 
 
-def stored_config(state: dict, path: str | Path, allow_import: Any = ()) -> PPOConfig:
+def stored_config(state: dict, path: str | Path, allow_import: Any = (), env: Any = None,
+                  need_env: bool = True) -> PPOConfig:
     """The run's config from a loaded checkpoint, refusing what the checkpoint must not decide on its own.
 
     A ``"module:Env-v0"`` env id would make Gymnasium import ``module`` (running its code); unless ``module`` is in
-    ``allow_import`` that is refused before anything is built. A missing or invalid config (an unknown key, a
-    bad value) raises ``CheckpointError`` naming the field.
+    ``allow_import`` that is refused before anything is built. A run trained on a custom env (a factory or an
+    instance) records only its name: without ``env`` it is refused when ``need_env`` (a resume builds envs). When
+    ``env`` is given, or the id is such a record, the stored id is never built, so it needs no permission. A
+    missing or invalid config (an unknown key, a bad value) raises ``CheckpointError`` naming the field.
     """
     from .config import ConfigError
+    from .envs.factory import describe_custom
 
     raw = state.get("config")
     if not isinstance(raw, dict):
         raise ckpt.CheckpointError(f"{path} is not a valid ppokit training checkpoint: it has no 'config' entry")
-    ckpt.check_stored_env_id(raw.get("env_id"), allow_import, path)
+    custom = state.get("custom_env")
+    if custom is not None and env is None and need_env:
+        raise ckpt.CheckpointError(f"{path} was trained on {describe_custom(custom)}, which cannot be rebuilt from "
+                                   "the checkpoint; pass the same env again: ppokit.resume(run_dir, env=...)")
+    if env is None and custom is None:
+        ckpt.check_stored_env_id(raw.get("env_id"), allow_import, path)
     try:
         return PPOConfig.from_dict(raw)
     except ConfigError as exc:
@@ -119,34 +133,53 @@ def _check_env_fits(policy: ActorCritic, env: Any, env_id: str, spaces: dict | N
                      f"observation space {obs_space} and action space {act_space}")
 
 
-def _run_kwargs(config: PPOConfig, env_id: str) -> dict:
-    """The run's env_kwargs apply to the run's own env id; another id gets none."""
-    return dict(config.env_kwargs) if env_id == config.env_id else {}
+def _custom(env: Any, env_id: str | None) -> tuple[str | None, Any]:
+    """``(env_id, env_fn)`` from load/evaluate's ``env`` (an id, a factory or an instance) and ``env_id``."""
+    if env is None:
+        return env_id, None
+    if env_id is not None:
+        raise ValueError("give the env as env= or env_id=, not both")
+    if isinstance(env, str):
+        return env, None
+    from .envs.factory import CustomEnv
+
+    import gymnasium as gym
+
+    if not (isinstance(env, gym.Env) or callable(env)):
+        raise ValueError(f"env must be a registered id, a zero-argument callable returning a gymnasium.Env, or a "
+                         f"gymnasium.Env instance, got {type(env).__name__}")
+    return None, CustomEnv(env)
 
 
-def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
+def _run_kwargs(config: PPOConfig, env_id: str, env_fn: Any) -> dict:
+    """The run's env_kwargs apply to the run's own env id; another id (or a custom env) gets none."""
+    return dict(config.env_kwargs) if env_fn is None and env_id == config.env_id else {}
+
+
+def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None, env: Any = None,
          allow_import: Any = ()) -> Agent:
     """Load the agent saved in ``run_dir`` (or a checkpoint file path).
 
-    ``env_id`` is the env the agent will act in (default: the run's, built with the run's env_kwargs); it must
-    have the run's spaces. A stored
-    ``"module:Env-v0"`` id is refused unless ``module`` is in ``allow_import`` or ``env_id`` replaces it: loading
-    never imports a module that only the checkpoint names. A damaged, diverged or inconsistent checkpoint raises
-    :class:`~ppokit.checkpoint.CheckpointError`; an env with other spaces raises ``ValueError``.
+    ``env_id`` (or ``env``: an id, a zero-arg factory or a ``gymnasium.Env``) is the env the agent will act in
+    (default: the run's, built with the run's env_kwargs); it must have the run's spaces. A stored
+    ``"module:Env-v0"`` id is refused unless ``module`` is in ``allow_import`` or an env replaces it: loading
+    never imports a module that only the checkpoint names. A run trained on a custom env loads without one (to
+    act on observations), but ``evaluate`` then needs the env. A damaged, diverged or inconsistent checkpoint
+    raises :class:`~ppokit.checkpoint.CheckpointError`; an env with other spaces raises ``ValueError``.
     """
     from .trainer import CHECKPOINT_NAME
 
+    env_id, env_fn = _custom(env, env_id)
     path = Path(run_dir)
     if path.is_dir():
         path = path / CHECKPOINT_NAME
     # The policy and normalizer must be finite whatever the writer claimed ("finite" is part of the file).
     state = ckpt.load_checkpoint(path, map_location=device, require_finite=("policy", "obs_norm"))
-    allowed = list(allow_import)
-    if env_id is not None and isinstance(state.get("config"), dict):
-        # The caller named the env to act in: the stored id stays a record and is never built, so its module
-        # part imports nothing and needs no permission.
-        allowed.append(str(state["config"].get("env_id", "")).partition(":")[0])
-    config = stored_config(state, path, allowed)
+    # The caller named the env to act in: the stored id stays a record and is never built, so its module
+    # part imports nothing and needs no permission.
+    given = env_id if env_fn is None else env_fn
+    config = stored_config(state, path, allow_import, env=given, need_env=False)
+    custom = state.get("custom_env") if isinstance(state.get("custom_env"), dict) else None
     try:
         policy = ActorCritic(**state["policy_spec"]).to(device)
         policy.load_state_dict(state["policy"])
@@ -164,42 +197,60 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise ckpt.CheckpointError(f"{path} has an unusable observation normalizer: {ckpt.one_line(exc)}") from exc
     spaces = state.get("spaces") if isinstance(state.get("spaces"), dict) else None
-    act_env = env_id or config.env_id
+    act_env = env_fn.name if env_fn is not None else env_id or config.env_id
     low = high = None
-    if env_id is not None or (policy.kind == "continuous" and not (spaces and "action_low" in spaces)):
+    stored_only = env_id is None and env_fn is None and custom is not None  # a record: nothing to build
+    if env_id is not None or env_fn is not None or (
+            policy.kind == "continuous" and not (spaces and "action_low" in spaces) and not stored_only):
         # Build the env only when needed: to check the caller's env, or for old checkpoints' action bounds.
         from .envs import make_eval_env
 
-        env = make_eval_env(act_env, env_kwargs=_run_kwargs(config, act_env))
+        env = make_eval_env(act_env, env_kwargs=_run_kwargs(config, act_env, env_fn), env_fn=env_fn)
+        act_env = env_fn.name if env_fn is not None else act_env
         try:
             _check_env_fits(policy, env, act_env, spaces)
             if policy.kind == "continuous":
                 low, high = np.asarray(env.action_space.low), np.asarray(env.action_space.high)
         finally:
-            env.close()
+            if env_fn is None or env_fn.kind == "factory":  # the caller's instance stays usable for evaluate()
+                env.close()
     elif policy.kind == "continuous":
         low, high = spaces["action_low"].numpy(), spaces["action_high"].numpy()
-    return Agent(policy, config, obs_norm, low, high, env_id=act_env, spaces=spaces)
+    return Agent(policy, config, obs_norm, low, high, env_id=act_env, spaces=spaces, env_fn=env_fn,
+                 custom_env=None if env_id is not None or env_fn is not None else custom)
 
 
 def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, deterministic: bool = True,
-             seed: int = 10_000, video_dir: str | Path | None = None, *,
+             seed: int = 10_000, video_dir: str | Path | None = None, *, env: Any = None,
              env_kwargs: dict | None = None) -> dict[str, Any]:
     """Run ``episodes`` full episodes; returns ``{"mean", "std", "returns", "lengths"}`` of raw returns.
 
-    ``env_id`` defaults to the env the agent was loaded for; another env must have the run's spaces.
-    ``env_kwargs`` default to the run's for the run's own env id (none for another id).
+    ``env_id`` (or ``env``: an id, a zero-arg factory or a ``gymnasium.Env``) defaults to the env the agent was
+    loaded for; another env must have the run's spaces. ``env_kwargs`` default to the run's for the run's own
+    env id (none for another id). A run trained on a custom env needs that env again unless load() was given it.
     """
     from .envs import make_eval_env
 
-    env_id = env_id or agent.env_id
+    env_id, env_fn = _custom(env, env_id)
+    if env_id is None and env_fn is None:
+        env_id, env_fn = agent.env_id, agent.env_fn
+        if env_fn is None and agent.custom_env is not None:
+            from .envs.factory import describe_custom
+
+            raise ValueError(f"this run was trained on {describe_custom(agent.custom_env)}, which cannot be rebuilt "
+                             "from the checkpoint; pass it again: ppokit.evaluate(agent, env=...) or "
+                             "ppokit.load(run_dir, env=...) (on the command line, --env names a registered env "
+                             "with the run's spaces)")
     if env_kwargs is None:
-        env_kwargs = _run_kwargs(agent.config, env_id)
+        env_kwargs = _run_kwargs(agent.config, env_id, env_fn)
+    elif env_fn is not None and env_kwargs:
+        raise ValueError("env_kwargs are for an env id built by gym.make; give them to your factory instead")
     else:
         from .config import _coerce
 
         env_kwargs = _coerce("env_kwargs", env_kwargs, strict=True)
-    env = make_eval_env(env_id, render_mode="rgb_array" if video_dir else None, env_kwargs=env_kwargs)
+    env = make_eval_env(env_id, render_mode="rgb_array" if video_dir else None, env_kwargs=env_kwargs, env_fn=env_fn)
+    env_id = env_fn.name if env_fn is not None else env_id
     try:
         _check_env_fits(agent.policy, env, env_id, agent.spaces)
     except ValueError:

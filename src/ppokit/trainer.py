@@ -80,23 +80,29 @@ class Trainer:
     """PPO train state plus the loop. Build with a validated config; ``run()`` trains to ``total_timesteps``."""
 
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
-                 console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False):
-        from .envs import check_env_id, check_spaces, make_vec_env
+                 console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
+                 env: Any = None):
+        from .envs import check_env_id, check_spaces, make_vec_env, resolve_env
         from .envs.factory import autoreset_mode
         from .logger import MetricsLogger
 
+        # env: None (config.env_id), a registered id, a zero-arg factory or a gymnasium.Env (see train()).
+        config, self.custom_env = resolve_env(env, config)
         self.config = cfg = config.validate()
         torch.set_num_threads(usable_threads(cfg.torch_threads))  # capped at the core count, with a warning
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device", "CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
-        if cfg.vector_mode != "envpool":  # envpool checks its own task list
+        if cfg.vector_mode != "envpool" and self.custom_env is None:  # envpool checks its own task list
             check_env_id(cfg.env_id)
         seed_everything(cfg.seed)
 
         # Environments and the policy pi_theta.
         try:
-            self.envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode, cfg.env_kwargs)
+            self.envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode, cfg.env_kwargs,
+                                     env_fn=self.custom_env)
+            if self.custom_env is not None:
+                cfg.env_id = self.custom_env.name  # the record now that the env exists (spec id or custom:Class)
         except (ValueError, EnvError):
             raise  # an unknown id or unsupported spaces: already one clear line
         except Exception as exc:  # noqa: BLE001 - an env whose constructor raises: one line, not its traceback
@@ -457,11 +463,11 @@ class Trainer:
         from .envs.factory import _get_spec
 
         cfg, n = self.config, self.config.eval_episodes
-        spec = _get_spec(cfg.env_id)
+        spec = _get_spec(cfg.env_id) if self.custom_env is None else None
         if self._eval_envs is None:
             # Batched (native) where the env has one: an evaluation then costs about as much as a rollout step.
-            mode = "native" if spec.vector_entry_point is not None else "sync"
-            self._eval_envs = make_vec_env(cfg.env_id, n, None, mode, cfg.env_kwargs)
+            mode = "native" if spec is not None and spec.vector_entry_point is not None else "sync"
+            self._eval_envs = make_vec_env(cfg.env_id, n, None, mode, cfg.env_kwargs, env_fn=self.custom_env)
         actor = self.optimizer.kernel.actor_head if self.fused else self.policy.actor  # no critic, no log-prob
         eval_space = self._eval_envs.single_observation_space
 
@@ -475,7 +481,7 @@ class Trainer:
         except Exception as exc:  # noqa: BLE001
             raise failed("evaluation reset()", exc) from exc
         total, running = np.zeros(n), np.ones(n, dtype=bool)
-        for _ in range(spec.max_episode_steps or 100_000):
+        for _ in range((spec.max_episode_steps if spec is not None else None) or 100_000):
             obs_t = torch.as_tensor(obs, device=self.device)
             with torch.inference_mode():
                 actions = self.policy.sample(actor(self._normalize_obs(obs_t, update=False)), deterministic=True)
@@ -671,6 +677,8 @@ class Trainer:
                 "prev_done": torch.from_numpy(self.prev_done.copy()),
             },
             "env_state": capture_env_state(self.envs),
+            # A custom env (factory or instance) cannot be rebuilt from its record: resume and eval need it again.
+            "custom_env": self.custom_env.record() if self.custom_env is not None else None,
             # What the policy was built for, so that evaluating it elsewhere can name both sides of a mismatch
             # and acting needs no env to find its bounds.
             "spaces": spaces_record(self.envs.single_observation_space, self.envs.single_action_space),
@@ -757,31 +765,39 @@ def _install_sigint(trainer: Trainer):
 
 
 def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
-          console_enabled: bool = True, overwrite: bool = False) -> Run:
+          console_enabled: bool = True, overwrite: bool = False, env: Any = None) -> Run:
     """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
+
+    ``env`` (default: ``config.env_id``) is a registered id, a zero-argument factory returning a ``gymnasium.Env``
+    (called once per env; ``vector_mode`` sync or async), or one ``gymnasium.Env`` instance, wrappers included
+    (``num_envs = 1``, sync, no evaluation gate: an env is never copied). The run records a custom env's spec id,
+    or ``"custom:<class>"``, as its env_id; ``resume`` and ``load`` need the same env passed again. ppokit closes
+    the envs at the end of the run.
 
     A run dir that already holds a run is refused (``rundir.RunDirError``) unless ``overwrite=True``, which first
     removes the old run's files; continue a run with ``resume`` instead.
     """
     return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled,
-                   overwrite=overwrite).run()
+                   overwrite=overwrite, env=env).run()
 
 
 def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
-           console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = ()) -> Run:
+           console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = (), env: Any = None) -> Run:
     """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
 
     A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
-    checkpoint alone never decides what code is imported. A damaged, diverged or mismatched checkpoint raises
-    ``CheckpointError``.
+    checkpoint alone never decides what code is imported. A run trained on a custom env (``train(env=factory)``)
+    needs that env again as ``env``; ``env`` may also replace a stored id. A damaged, diverged or mismatched
+    checkpoint raises ``CheckpointError``.
     """
     from .agent import stored_config
 
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINT_NAME
     state = ckpt.load_checkpoint(path, require_finite=ckpt.LEARNER_KEYS)
-    config = stored_config(state, path, allow_import)
+    config = stored_config(state, path, allow_import, env=env)
     if total_timesteps is not None:
         config.total_timesteps = total_timesteps
-    trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state)
+    trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state,
+                      env=env)
     return trainer.run()

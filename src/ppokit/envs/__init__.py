@@ -31,14 +31,17 @@ def register_envs() -> None:
 register_envs()
 
 from ppokit.envs.factory import (  # noqa: E402  (registration must precede factory use)
+    CustomEnv,
     autoreset_mode,
     check_env_id,
     check_spaces,
     make_eval_env,
     make_vec_env,
+    resolve_env,
 )
 
 __all__ = [
+    "CustomEnv",
     "GRIDWORLD_ID",
     "GridWorldEnv",
     "GridWorldVectorEnv",
@@ -48,4 +51,5 @@ __all__ = [
     "make_eval_env",
     "make_vec_env",
     "register_envs",
+    "resolve_env",
 ]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
@@ -14,6 +15,8 @@ from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
 VECTOR_MODES = ("sync", "async", "native", "envpool")
+# The env_id recorded for a custom env without a registered spec: "custom:MyEnv" (MyEnv: its unwrapped class).
+CUSTOM_PREFIX = "custom"
 
 
 def _split_module(env_id: str) -> tuple[str | None, str]:
@@ -34,8 +37,11 @@ def _import_env_module(env_id: str, module: str) -> None:
         _import_from_cwd(module)
     except ModuleNotFoundError as exc:
         if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
-            raise ValueError(f"env id {env_id!r}: there is no module named {module!r} to import "
-                             "(the form 'module:EnvName-v0' imports module, which must register EnvName-v0)") from None
+            hint = (f"; {env_id!r} may be the record of a run trained on an env passed to ppokit.train(env=...), "
+                "which must be passed again") if module == CUSTOM_PREFIX else ""
+        raise ValueError(f"env id {env_id!r}: there is no module named {module!r} to import "
+                         "(the form 'module:EnvName-v0' imports module, which must register EnvName-v0)"
+                         f"{hint}") from None
         raise ValueError(f"env id {env_id!r}: importing module {module!r} failed: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - whatever the module raises, the user gets one line, not its traceback
         raise ValueError(f"env id {env_id!r}: importing module {module!r} failed: "
@@ -179,6 +185,99 @@ def check_spaces(env: Any) -> str:
     )
 
 
+class CustomEnv:
+    """An env the caller passed as a Python object, not a registered id: a zero-arg factory or one instance.
+
+    Calling it builds one env (the instance is handed out as it is). ``name`` is what the run records as its
+    env_id: the env's registered spec id when it has one (``gym.make(...)`` wrapped by the caller), else
+    ``"custom:<unwrapped class>"``; ``record()`` goes into the checkpoint so that a resume or an evaluation knows
+    the same env must be passed again (the record alone never rebuilds it).
+    """
+
+    def __init__(self, env: Any):
+        self.kind = "instance" if isinstance(env, gym.Env) else "factory"
+        self._env = env
+        # Until the first env exists, errors name the factory itself ("custom:make_env", "custom:<lambda>").
+        self.name = _record_name(env) if self.kind == "instance" else (
+            f"{CUSTOM_PREFIX}:{getattr(env, '__qualname__', None) or type(env).__name__}")
+
+    def __call__(self) -> gym.Env:
+        env = self._env if self.kind == "instance" else self._env()
+        if not isinstance(env, gym.Env):
+            raise ValueError(f"the env factory {self.name} returned {type(env).__name__}, not a gymnasium.Env "
+                             "(it must be a zero-argument callable returning one env)")
+        self.name = _record_name(env)
+        return env
+
+    def record(self) -> dict[str, str]:
+        """What a checkpoint keeps: the kind and the recorded name (plain strings)."""
+        return {"kind": self.kind, "name": self.name}
+
+    def __getstate__(self) -> dict:
+        # An async worker gets a pickled copy of the factory; an instance never travels (sync only).
+        if self.kind == "instance":
+            raise TypeError("an env instance cannot be sent to a subprocess")
+        return dict(self.__dict__)
+
+
+def _record_name(env: gym.Env) -> str:
+    spec = getattr(env, "spec", None)
+    if spec is not None and getattr(spec, "id", None):
+        return str(spec.id)
+    return f"{CUSTOM_PREFIX}:{type(env.unwrapped).__name__}"
+
+
+def describe_custom(record: Any) -> str:
+    """``"an env factory (recorded as 'custom:MyEnv')"`` for a checkpoint's custom-env record."""
+    record = record if isinstance(record, dict) else {}
+    kind = "an env instance" if record.get("kind") == "instance" else "an env factory"
+    return f"{kind} passed to ppokit.train(env=...) (recorded as {str(record.get('name', '?'))!r})"
+
+
+def resolve_env(env: Any, config: Any) -> tuple[Any, CustomEnv | None]:
+    """``(config, custom)`` for ``train(config, env=...)``: ``env`` is None (the config's env_id), a registered id,
+    a zero-arg factory or a ``gymnasium.Env`` instance (wrappers included).
+
+    An id replaces ``config.env_id``; a factory or an instance gives a ``CustomEnv`` and a config whose env_id is
+    its provisional name (the trainer records the final one once the env exists). The config is copied, never
+    changed in place. Combinations a custom env cannot serve raise ``ConfigError`` naming the field.
+    """
+    from ppokit.config import ConfigError
+
+    if env is None:
+        return config, None
+    if isinstance(env, str):
+        return dataclasses.replace(config, env_id=env), None
+    if isinstance(env, gym.vector.VectorEnv):
+        raise ValueError("env: a vector env instance is not supported; pass a zero-argument factory that returns "
+                         "one env (ppokit builds num_envs of them) or a registered id")
+    if not (isinstance(env, gym.Env) or callable(env)):
+        raise ValueError(f"env must be a registered id, a zero-argument callable returning a gymnasium.Env, or a "
+                         f"gymnasium.Env instance, got {type(env).__name__}")
+    custom = CustomEnv(env)
+    config = dataclasses.replace(config, env_id=custom.name)
+    if config.env_kwargs:
+        raise ConfigError("env_kwargs", f"is set ({config.env_kwargs}) but the env is a Python object, not an id "
+                                        "built by gym.make; give those arguments to your factory instead")
+    if config.vector_mode in ("native", "envpool"):
+        raise ConfigError("vector_mode", f"{config.vector_mode!r} builds envs from a registered id; an env passed "
+                                         "as a Python object runs with vector_mode 'sync' or 'async'")
+    if custom.kind == "instance":
+        # One object is one environment: N envs need N objects, and a deep copy of an arbitrary env (open files,
+        # simulators, sockets, shared RNGs) is not safe to assume, so none is made.
+        why = "an env instance is one environment and is not copied (deep-copying an env is not safe)"
+        fix = "pass a factory instead, e.g. env=lambda: MyEnv()"
+        if config.num_envs != 1:
+            raise ConfigError("num_envs", f"is {config.num_envs}, but {why}; use num_envs = 1 or {fix}")
+        if config.vector_mode != "sync":
+            raise ConfigError("vector_mode", f"{config.vector_mode!r} would copy the instance into a subprocess; "
+                                             f"use 'sync' or {fix}")
+        if config.eval_every:
+            raise ConfigError("eval_every", f"the evaluation gate needs envs of its own, but {why}; set "
+                                            f"eval_every = 0 or {fix}")
+    return config, custom
+
+
 def _env_kwargs_error(env_id: str, kwargs: dict, exc: BaseException) -> ValueError:
     """The env's constructor refused ``env_kwargs``: one line naming the field (Gymnasium raises a TypeError for
     an unknown keyword; an env may raise a KeyError for a value it does not know, as FrozenLake for a map_name)."""
@@ -194,11 +293,13 @@ def make_vec_env(
     seed: int | None,
     vector_mode: str = "sync",
     env_kwargs: dict[str, Any] | None = None,
+    env_fn: Callable[[], gym.Env] | None = None,
 ) -> gym.vector.VectorEnv:
     """Build ``num_envs`` envs, un-reset: "sync"/"async" with SAME_STEP autoreset, "native" the env's own vector
     class, "envpool" the optional envpool package (NEXT_STEP autoreset).
 
-    ``env_kwargs`` go to the env's constructor (gym.make_vec / envpool.make).
+    ``env_kwargs`` go to the env's constructor (gym.make_vec / envpool.make); ``env_fn`` (a zero-arg callable,
+    e.g. a ``CustomEnv``) builds each env instead of ``env_id``, which then only names it ("sync"/"async" only).
     """
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -208,7 +309,13 @@ def make_vec_env(
     same_step = gym.vector.AutoresetMode.SAME_STEP
 
     try:
-        if vector_mode == "envpool":
+        if env_fn is not None:
+            if vector_mode not in ("sync", "async") or kwargs:
+                raise ValueError(f"an env factory runs with vector_mode 'sync' or 'async' and no env_kwargs, got "
+                                 f"vector_mode={vector_mode!r}, env_kwargs={kwargs}")
+            vector_class = gym.vector.SyncVectorEnv if vector_mode == "sync" else gym.vector.AsyncVectorEnv
+            env = vector_class([env_fn] * int(num_envs), autoreset_mode=same_step)
+        elif vector_mode == "envpool":
             from ppokit.envs.envpool_backend import EnvPoolVectorEnv
 
             # envpool has its own task list (Atari and MuJoCo need no Gymnasium registration there); env_kwargs are
@@ -251,8 +358,12 @@ def make_eval_env(
     env_id: str,
     render_mode: str | None = None,
     env_kwargs: dict[str, Any] | None = None,
+    env_fn: Callable[[], gym.Env] | None = None,
 ) -> gym.Env:
-    """Build one (un-reset) env for evaluation or rendering: ``gym.make(env_id, **env_kwargs)``."""
+    """Build one (un-reset) env for evaluation or rendering: ``gym.make(env_id, **env_kwargs)``, or ``env_fn()``
+    (a custom env; a render_mode is then the factory's business)."""
+    if env_fn is not None:
+        return env_fn()
     check_env_id(env_id)
     kwargs = dict(env_kwargs or {})
     if render_mode is not None:
