@@ -212,14 +212,29 @@ def test_what_a_custom_env_cannot_serve_is_refused_naming_the_field(fields, env,
     assert not (tmp_path / "run").exists()
 
 
+SHARED = Corridor()
+
+
 @pytest.mark.parametrize("env,words", [
     (lambda: "CartPole-v1", "returned str, not a gymnasium.Env"),
+    (lambda: SHARED, "returned the same env object more than once"),
     (42, "must be a registered id, a zero-argument callable"),
     (gym.vector.SyncVectorEnv([Corridor]), "a vector env instance is not supported"),
-], ids=["factory-returns-a-string", "a-number", "a-vector-env"])
+], ids=["factory-returns-a-string", "factory-returns-one-object-twice", "a-number", "a-vector-env"])
 def test_a_wrong_env_object_is_one_clear_error(env, words, tmp_path):
     with pytest.raises(ValueError, match=words):
-        train(PPOConfig(num_envs=1, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=env)
+        train(PPOConfig(num_envs=2, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=env)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_factory_that_raises_is_an_env_error_naming_it(tmp_path):
+    from ppokit.envs.errors import EnvError
+
+    def make_broken_env():
+        raise RuntimeError("no simulator licence")
+
+    with pytest.raises(EnvError, match=r"custom:.*make_broken_env.*make\(\).*no simulator licence"):
+        train(PPOConfig(num_envs=2, **SMALL), run_dir=tmp_path / "run", console_enabled=False, env=make_broken_env)
 
 
 def test_an_id_given_as_env_replaces_the_configs(tmp_path):

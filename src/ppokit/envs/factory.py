@@ -315,6 +315,11 @@ def make_vec_env(
                                  f"vector_mode={vector_mode!r}, env_kwargs={kwargs}")
             vector_class = gym.vector.SyncVectorEnv if vector_mode == "sync" else gym.vector.AsyncVectorEnv
             env = vector_class([env_fn] * int(num_envs), autoreset_mode=same_step)
+            if len({id(sub) for sub in getattr(env, "envs", [])}) not in (0, int(num_envs)):
+                # `env=lambda: my_env` hands out one object N times: N "envs" stepping one state, silently.
+                env.close()
+                raise ValueError(f"the env factory {env_fn.name if hasattr(env_fn, 'name') else env_fn!r} returned "
+                                 "the same env object more than once; it must build a new env on every call")
         elif vector_mode == "envpool":
             from ppokit.envs.envpool_backend import EnvPoolVectorEnv
 
