@@ -86,6 +86,7 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------ 1. no import a checkpoint alone names
+@pytest.mark.slow  # subprocesses: seconds each; CI runs it
 def test_eval_and_resume_never_import_a_module_the_checkpoint_names(runs, tmp_path, monkeypatch, fresh_evilmod):
     run_dir = _copy(runs, "cartpole", tmp_path / "run")
     (tmp_path / "evilmod.py").write_text(EVIL)
@@ -116,6 +117,7 @@ def test_eval_and_resume_never_import_a_module_the_checkpoint_names(runs, tmp_pa
     assert marker.exists()
 
 
+@pytest.mark.slow  # subprocesses: seconds each; CI runs it
 def test_a_config_file_never_imports_a_module_and_import_module_opens_config_and_resume(runs, tmp_path):
     """A --config file is a file too: its module:Env id is refused unless the user names the module."""
     (tmp_path / "evilmod.py").write_text(EVIL + "import gymnasium\ngymnasium.register('Evil-v0', "

@@ -323,6 +323,7 @@ def test_an_unknown_env_kwarg_is_a_config_error_naming_it(mode, env_id):
     assert "was raised from the environment creator" not in str(e.value)  # Gymnasium's kwargs dump is cut
 
 
+@pytest.mark.slow  # subprocesses: seconds each; CI runs it
 def test_a_bad_env_kwarg_on_the_real_cli_is_one_line_exit_2(tmp_path):
     env = {**os.environ, "COLUMNS": "200"}
     for value, words in [('{"no_such_arg": 1}', "no_such_arg"), ('{"map_name": "9x9"}', "KeyError"),
@@ -396,6 +397,7 @@ def _console_script() -> str:
     return str(script)
 
 
+@pytest.mark.slow  # subprocesses: seconds each; CI runs it
 def test_module_env_id_imports_from_the_cwd_under_the_console_script(tmp_path):
     (tmp_path / "mymod.py").write_text(MYMOD)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
