@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import gymnasium as gym
+import numpy as np
 import pytest
 
 from ppokit.cli import main
@@ -104,3 +105,92 @@ def test_healthy_cartpole_run(tmp_path, capsys):
 
 def test_doctor_rejects_a_non_run_directory(tmp_path):
     assert main(["doctor", str(tmp_path)]) == 2
+
+
+CONST_ID = "ppokit_test/FixedLengthConstantReward-v0"
+
+
+class _ConstantReward(gym.Env):
+    """+1 every step and every episode terminated after exactly 10 steps, whatever the actions: no signal."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), dtype=np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.uniform(-1, 1, 2).astype(np.float32), {}
+
+    def step(self, action):
+        self._t += 1
+        return self.np_random.uniform(-1, 1, 2).astype(np.float32), 1.0, self._t >= 10, False, {}
+
+
+if CONST_ID not in gym.registry:
+    gym.register(CONST_ID, entry_point=_ConstantReward, max_episode_steps=100)
+
+_SIGNAL_RULES = {"rewards_all_zero", "zero_reward_variance"}
+
+
+@pytest.mark.parametrize("name,preset,over,verdict", [
+    # Acrobot's -1 per step, every episode truncated at 500 steps (return -500) within this budget: the live alert
+    # used to say zero_reward_variance "check the reward function" while the doctor found nothing.
+    ("acrobot", "acrobot", {"total_timesteps": 5 * 16 * 256}, None),
+    ("zero", "cartpole", {"env_id": ZERO_ID, "total_timesteps": 6000}, "rewards_all_zero"),
+    ("constant", "cartpole", {"env_id": CONST_ID, "total_timesteps": 6000}, "zero_reward_variance"),
+])
+def test_the_live_alert_and_the_doctor_give_one_verdict_on_the_reward_signal(tmp_path, name, preset, over, verdict):
+    config = PPOConfig.from_dict({"tensorboard": False, **over}, load_preset(preset))
+    config.run_dir = str(tmp_path / name)
+    run = train(config, console_enabled=False)
+    alerted = {a["name"] for a in run.alerts} & _SIGNAL_RULES
+    d = diagnose(run.run_dir)
+    found = {f.cause for f in d.findings} & _SIGNAL_RULES
+    assert alerted == found == ({verdict} if verdict else set()), d.to_text()
+    if name == "acrobot":
+        rets = [m["charts/episodic_return"] for m in run.metrics if not np.isnan(m["charts/episodic_return"])]
+        assert len(rets) >= 2 and set(rets) == {-500.0}  # the case in question: constant returns at the time limit
+        note = next(f for f in d.findings if f.cause == "returns_at_time_limit")
+        assert note.severity == "note" and "time limit (500 steps)" in note.evidence[0]
+    else:
+        assert d.findings[0].cause == verdict and not d.healthy
+
+
+def test_kl_monitoring_off_is_said_by_the_doctor(tmp_path):
+    # The KL blow-up of test_absurd_learning_rate_blows_up_kl with monitor_kl off (--unsafe): no live KL alert,
+    # the doctor still finds the blow-up in metrics.csv and says that KL monitoring was off.
+    run_dir = _run(tmp_path, "klOff", learning_rate=1.0, update_epochs=20, total_timesteps=6000, monitor_kl=False,
+                   unsafe=True)
+    alerts = [json.loads(x)["name"] for x in (run_dir / "alerts.jsonl").read_text().splitlines() if x.strip()]
+    assert not {"kl_high", "kl_blowup"} & set(alerts), alerts
+    d, cause = _first(run_dir)
+    assert cause == "kl_blowup", d.to_text()
+    off = next(f for f in d.findings if f.cause == "monitoring_off")
+    assert off.evidence == ["monitor_kl = false: no live alert on approx KL (kl_high, kl_blowup) was raised during "
+                            "the run"]
+
+
+def test_the_doctor_runs_its_rules_in_the_lessons_order():
+    from ppokit.doctor import RULES
+
+    names = [r.__name__.removeprefix("_rule_") for r in RULES]
+    # signal validity -> optimization link -> trust region -> entropy/exploration -> critic -> "steps too small".
+    assert names[:names.index("clip_never_fires") + 1] == [
+        "nonfinite", "reward_signal", "signal_alert_cleared", "advantages_constant", "learning_rate", "grad_zero",
+        "kl_blowup", "clipfrac_high", "entropy_collapse", "entropy_pinned", "critic", "clip_never_fires"]
+
+
+def test_an_early_signal_alert_overturned_by_the_run_is_named(tmp_path):
+    # A run whose first updates had constant rewards (the live alert fired) and whose later rewards varied.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cols = ["global_step", "update", "charts/episodic_return", "charts/episodic_length", "diag/reward_std",
+            "charts/learning_rate", "diag/entropy"]
+    rows = [[512 * u, u, 0.0, 10 + u, 0.0 if u <= 6 else 0.5, 3e-4, 0.69] for u in range(1, 13)]
+    (run_dir / "metrics.csv").write_text("\n".join(",".join(map(str, r)) for r in [cols, *rows]) + "\n")
+    (run_dir / "alerts.jsonl").write_text(json.dumps({"step": 2560, "level": "alert", "name": "rewards_all_zero",
+                                                      "message": "every reward was 0"}) + "\n")
+    d = diagnose(run_dir)
+    assert not {f.cause for f in d.findings} & _SIGNAL_RULES
+    note = next(f for f in d.findings if f.cause == "signal_alert_cleared")
+    assert "rewards_all_zero at steps 2560" in note.evidence[0] and "from update 7" in note.evidence[1]

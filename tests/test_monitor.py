@@ -224,3 +224,59 @@ def test_clip_never_fires_on_real_cartpole_runs_only_when_the_policy_cannot_move
     assert max(m["diag/clipfrac"] for m in run.metrics) < 0.01
     got = [(a["name"], a["level"]) for a in run.alerts if a["name"] == "clip_never_fires"]
     assert got == expected
+
+
+def test_constant_reward_episodes_cut_by_the_time_limit_are_not_zero_reward_variance():
+    # Acrobot before its first swing-up: -1 every step, every episode truncated at 500 steps with return -500.
+    # The reward function is fine (reaching the goal would end an episode early): no zero-variance alert.
+    stuck = [healthy(i, **{"charts/episodic_return": -500.0, "charts/episodic_length": 500.0}) for i in range(12)]
+    assert "zero_reward_variance" not in fired(Monitor(time_limit=500), stuck)
+    # The same numbers from an env whose episodes all end, terminated, at one length below its time limit: the
+    # reward cannot rank actions.
+    assert "zero_reward_variance" in fired(Monitor(time_limit=1000), stuck)
+
+
+def test_returns_that_varied_once_show_the_signal_for_the_rest_of_the_run():
+    # Acrobot with the defaults (seed 1): one episode ended early (-340), then a stretch of -500s. The alert used
+    # to judge only the last 5 updates and fired; the doctor, judging the whole run, said the rewards vary.
+    seq = [healthy(i, **{"charts/episodic_return": r, "charts/episodic_length": -r})
+           for i, r in enumerate([-500.0, -340.0] + [-500.0] * 10)]
+    assert "zero_reward_variance" not in fired(Monitor(), seq)
+
+
+def test_monitor_kl_false_turns_the_kl_alerts_off():
+    seq = [healthy(i, **{"diag/approx_kl": kl}) for i, kl in enumerate([0.05, 0.5])]
+    assert fired(Monitor(), seq) == {"kl_high", "kl_blowup"}
+    assert fired(Monitor(monitor_kl=False), seq) == set()
+    # Only the KL rules: the clip-fraction ones still run.
+    drift = [healthy(i, **{"diag/clipfrac": 0.45, "diag/approx_kl": 0.5}) for i in range(5)]
+    assert fired(Monitor(monitor_kl=False), drift) == {"clipfrac_high"}
+
+
+def test_monitor_clipfrac_false_turns_the_clip_fraction_alerts_off():
+    drift = [healthy(i, **{"diag/clipfrac": 0.45}) for i in range(5)]
+    still = [healthy(i, **{"diag/clipfrac": 0.0, "diag/approx_kl": 0.0}) for i in range(5)]
+    assert "clipfrac_high" in fired(Monitor(), drift) and "clip_never_fires" in fired(Monitor(), still)
+    assert fired(Monitor(monitor_clipfrac=False), drift) == set()
+    assert fired(Monitor(monitor_clipfrac=False), still) == set()
+    assert fired(Monitor(monitor_clipfrac=False), [healthy(0, **{"diag/approx_kl": 0.5})]) == {"kl_blowup"}
+
+
+def test_monitoring_switched_off_in_the_config_reaches_a_real_run(tmp_path):
+    # lr 0 on CartPole: clip_never_fires (alert) with monitoring on (the test above with lr 0). Off (only with
+    # --unsafe), the run raises no clip-fraction alert; the guard rail still refuses it without --unsafe.
+    from ppokit.config import ConfigError, PPOConfig
+    from ppokit.doctor import diagnose
+    from ppokit.trainer import train
+
+    with pytest.raises(ConfigError, match="monitor_clipfrac"):
+        PPOConfig(env_id="CartPole-v1", monitor_clipfrac=False).validate()
+    cfg = PPOConfig(env_id="CartPole-v1", total_timesteps=8 * 512, learning_rate=0.0, tensorboard=False,
+                    monitor_clipfrac=False, unsafe=True, run_dir=str(tmp_path / "run"))
+    run = train(cfg, console_enabled=False)
+    names = {a["name"] for a in run.alerts}
+    assert "unsafe_run" in names and not names & {"clip_never_fires", "clipfrac_high"}, names
+    d = diagnose(run.run_dir)
+    off = [f for f in d.findings if f.cause == "monitoring_off"]
+    assert off and "monitor_clipfrac = false" in off[0].evidence[0] and off[0].severity == "note"
+    assert d.findings[0].cause == "lr_zero"  # the doctor still reads metrics.csv

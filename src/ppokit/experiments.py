@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import schema as S
 from .config import ConfigError, PPOConfig, _coerce
 
 __all__ = [
@@ -63,8 +64,8 @@ __all__ = [
 ]
 
 DONE_NAME = "DONE"
-KL_WARN = 0.02  # approx KL above this: large policy steps for eps = 0.2
-KL_EXPLODED = 0.1  # above this the update has left the trust region ("KL blew up")
+KL_WARN = S.KL_WARN  # approx KL above this: large policy steps for eps = 0.2
+KL_EXPLODED = S.KL_ALERT  # above this the update has left the trust region ("KL blew up")
 REACH_WINDOW = 5  # updates averaged when deciding that a run reached the return threshold
 FINAL_FRACTION = 0.10
 STABILITY_FRACTION = 0.20
@@ -441,12 +442,12 @@ def load_results(specs: Sequence[RunSpec]) -> list[SettingResult]:
         if not (spec.run_dir / DONE_NAME).is_file() or not path.is_file():
             continue
         cols = read_metrics(path)
-        n = len(cols.get("global_step", []))
+        n = len(cols.get(S.GLOBAL_STEP, []))
         nan = [math.nan] * n
-        kl = cols.get("diag/approx_kl_after") or cols.get("diag/approx_kl", nan)
-        res.seeds.append(SeedCurves(spec.seed, cols["global_step"], cols.get("charts/episodic_return", nan),
-                                    cols.get("charts/episodes", nan), kl,
-                                    cols.get("diag/clipfrac", nan), cols.get("charts/kl_beta", nan)))
+        kl = cols.get(S.APPROX_KL_AFTER) or cols.get(S.APPROX_KL, nan)
+        res.seeds.append(SeedCurves(spec.seed, cols[S.GLOBAL_STEP], cols.get(S.EPISODIC_RETURN, nan),
+                                    cols.get(S.EPISODES, nan), kl,
+                                    cols.get(S.CLIPFRAC, nan), cols.get(S.KL_BETA, nan)))
     return list(out.values())
 
 
@@ -644,7 +645,7 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str, compare: bool = Fa
     table.add_column("final return\n(mean ± 95% CI)", justify="right")
     table.add_column("steps to threshold\n(median; reached)", justify="right")
     table.add_column("max KL", justify="right")
-    table.add_column("KL > 0.1\n(seeds)", justify="right")
+    table.add_column(f"KL > {KL_EXPLODED:g}\n(seeds)", justify="right")
     if compare:
         table.add_column("stability\n(std, last 20%)", justify="right")
         table.add_column("no clipping\nneeded (updates)", justify="right")

@@ -20,23 +20,28 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from . import schema as S
+
 __all__ = ["CSVSink", "TensorBoardSink", "ConsoleSink", "MetricsLogger"]
 
-# Each console column accepts a few spellings so the display does not break if the trainer renames a key.
-_RETURN_KEYS = ("charts/episodic_return", "charts/mean_return", "charts/return")
-_SPS_KEYS = ("perf/sps", "charts/SPS", "charts/sps")
-_KL_KEYS = ("diag/approx_kl", "losses/approx_kl")
+# Each console column shows the schema's key (schema.py) and accepts a few other spellings (CleanRL's, SB3's), so
+# metrics from another trainer still display.
+_RETURN_KEYS = (S.EPISODIC_RETURN, "charts/mean_return", "charts/return")
+_SPS_KEYS = (S.SPS, "charts/SPS", "charts/sps")
+_KL_KEYS = (S.APPROX_KL, "losses/approx_kl")
+_CLIPFRAC_KEYS = (S.CLIPFRAC, "losses/clipfrac")
+_EV_KEYS = (S.EXPLAINED_VARIANCE, "losses/explained_variance")
 _TABLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("return", _RETURN_KEYS),
-    ("length", ("charts/episodic_length", "charts/mean_length", "charts/length")),
-    ("policy loss", ("losses/policy_loss", "losses/pg_loss")),
-    ("value loss", ("losses/value_loss", "losses/vf_loss")),
-    ("entropy", ("losses/entropy", "diag/entropy")),
+    ("length", (S.EPISODIC_LENGTH, "charts/mean_length", "charts/length")),
+    ("policy loss", (S.POLICY_LOSS, "losses/pg_loss")),
+    ("value loss", (S.VALUE_LOSS, "losses/vf_loss")),
+    ("entropy", ("losses/entropy", S.ENTROPY)),
     ("approx KL", _KL_KEYS),
-    ("clipfrac", ("diag/clipfrac", "losses/clipfrac")),
-    ("expl. var", ("diag/explained_variance", "losses/explained_variance")),
-    ("lr", ("charts/learning_rate", "charts/lr", "optim/lr", "diag/lr")),
-    ("epochs", ("diag/epochs_run", "diag/epochs", "perf/epochs_run")),
+    ("clipfrac", _CLIPFRAC_KEYS),
+    ("expl. var", _EV_KEYS),
+    ("lr", (S.LEARNING_RATE, "charts/lr", "optim/lr", "diag/lr")),
+    ("epochs", (S.EPOCHS_RUN, "diag/epochs", "perf/epochs_run")),
     ("SPS", _SPS_KEYS),
 )
 # The plain line's fields: label, accepted keys, format (2 significant digits for the diagnostics, whose third
@@ -44,8 +49,8 @@ _TABLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 _LINE_FIELDS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
     ("return", _RETURN_KEYS, lambda v: f"{v:.1f}"),
     ("kl", _KL_KEYS, lambda v: f"{v:.2g}"),
-    ("clipfrac", ("diag/clipfrac", "losses/clipfrac"), lambda v: f"{v:.2g}"),
-    ("ev", ("diag/explained_variance", "losses/explained_variance"), lambda v: f"{v:.2g}"),
+    ("clipfrac", _CLIPFRAC_KEYS, lambda v: f"{v:.2g}"),
+    ("ev", _EV_KEYS, lambda v: f"{v:.2g}"),
     ("sps", _SPS_KEYS, lambda v: f"{v:,.0f}"),
 )
 # "warn" and "alert" are the guard-rail monitor's two levels; the logging-style names are accepted too.

@@ -4,13 +4,17 @@ Each rule looks at the update's metrics (and a short history) and returns alerts
 Alerts are rate-limited per rule: once a rule fires it stays quiet for ``cooldown`` updates, so a persistent
 condition reports once per ``cooldown`` updates instead of on every update.
 
-Rules (thresholds in ``THRESHOLDS``):
+Rules (thresholds in ``schema.THRESHOLDS``). The verdict of each problem the doctor also reports is one function
+below (``reward_signal``, ``kl_level``, ``entropy_collapse``, ``critic_never_learned``, ``nonfinite_counts``,
+``longest_run``): the monitor applies it to the updates seen so far, ``ppokit doctor`` to the whole run.
 
 - ``nonfinite_loss`` / ``nonfinite_env`` / ``nonfinite_advantages``: NaN/Inf anywhere in the update (alert).
-- ``rewards_all_zero``: every reward zero and every finished episode returned 0 for ``reward_patience`` updates.
-- ``zero_reward_variance``: rewards constant within each rollout AND the episode returns (and lengths) constant
-  across ``reward_patience`` updates and unchanged since the start. A constant per-step reward alone is fine
-  (CartPole's +1): episode lengths, hence returns, still carry the signal.
+- ``rewards_all_zero``: every reward zero and every finished episode returned 0, on every update so far (at least
+  ``reward_patience``).
+- ``zero_reward_variance``: rewards constant within every rollout so far AND every finished episode with the same
+  return and length, that length not the env's time limit. A constant per-step reward alone is fine (CartPole's
+  +1, Acrobot's -1): episode lengths, hence returns, carry the signal; episodes that all ran to the time limit
+  have not reached a terminal state yet, which is exploration, not the reward function.
 - ``kl_high`` (warn, KL > 0.02) / ``kl_blowup`` (alert, KL > 0.1).
 - ``clip_never_fires``: the policy does not move: for ``clipfrac_patience`` updates the clip fraction is below
   ``CLIPFRAC_NEVER_FIRES`` (1e-3) AND approx KL is below ``KL_NEGLIGIBLE`` (1e-6), except in the tail of an
@@ -27,37 +31,141 @@ Rules (thresholds in ``THRESHOLDS``):
   has no floor and can be negative: entropy more than ``entropy_collapse_nats_per_dim`` nats per action
   dimension below its first value, i.e. the std shrank by a factor e^2.5 ~ 12 in every dimension. Without
   ``action_kind`` the kind is guessed: continuous once a negative entropy is seen, discrete otherwise.
+
+``monitor_kl=False`` / ``monitor_clipfrac=False`` switch the KL rules / the two clip-fraction rules off.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
-__all__ = ["Monitor", "Alert", "THRESHOLDS", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE"]
+from . import schema as S
+from .schema import CLIPFRAC_NEVER_FIRES, KL_NEGLIGIBLE, THRESHOLDS
+
+__all__ = ["Monitor", "Alert", "THRESHOLDS", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE", "kl_level", "reward_signal",
+           "entropy_collapse", "critic_never_learned", "nonfinite_counts", "longest_run", "episode_time_limit"]
 
 # clip_never_fires, calibrated on short runs (KL after each update; the lowest maximum over 5 consecutive updates
 # outside the annealed tail): presets cartpole 2.6e-4, acrobot 2.5e-3, pendulum 1.4e-2; the library defaults on
 # CartPole 1.1e-5 (clip fraction 0 on every update while the return climbs) and Pendulum 7.5e-6; lr = 0 exactly 0,
 # lr = 1e-7 8e-12. Below the line: the defaults on Acrobot stuck at -500 (2.3e-7), and the gridworld preset at its
 # optimum (7e-8, exempt: its entropy has collapsed). Both conditions must hold for clipfrac_patience updates.
-CLIPFRAC_NEVER_FIRES = 1e-3  # clip fraction below this: the clip never fires
-KL_NEGLIGIBLE = 1e-6  # approx KL below this: pi_theta is pi_old to ~0.1% per action, the policy does not move
+# (CLIPFRAC_NEVER_FIRES and KL_NEGLIGIBLE live in schema.py with the other thresholds.)
 
-THRESHOLDS = {
-    "kl_warn": 0.02,  # mean approx KL above this: the update is moving pi_theta far from pi_old
-    "kl_alert": 0.1,  # above this: the trust region is blown
-    "clipfrac_low": CLIPFRAC_NEVER_FIRES,  # clip never fires (with kl_negligible)
-    "kl_negligible": KL_NEGLIGIBLE,  # ... and the policy does not move
-    "clipfrac_high": 0.4,  # sustained: over-fitting the rollout (drift)
-    "clipfrac_patience": 5,  # updates a clip-fraction condition must persist
-    "lr_tail_frac": 0.1,  # an annealed LR below this fraction of its start: a ~0 clip fraction is expected
-    "ev_patience": 20,  # updates after which explained variance must have risen above ev_min
-    "ev_min": 0.0,
-    "entropy_collapse_frac": 0.05,  # discrete: entropy below this fraction of its first value
-    "entropy_collapse_nats_per_dim": 2.5,  # continuous: drop from the first value, per action dimension
-    "reward_patience": 5,  # updates a zero-reward condition must persist
-}
+
+# ---------------------------------------------------------------- verdicts shared with ``ppokit doctor``
+# Each takes plain numbers (the monitor passes the updates seen so far, the doctor the whole run) and returns the
+# verdict, so the live alert and the doctor's finding for one problem are one decision with one set of thresholds.
+def _fin(xs: Sequence[float]) -> list[float]:
+    return [x for x in xs if _finite(x)]
+
+
+def kl_level(kl: float, t: dict = THRESHOLDS) -> str | None:
+    """``"alert"`` above ``kl_alert`` (trust region blown), ``"warn"`` above ``kl_warn``, else None."""
+    if kl > t["kl_alert"]:
+        return "alert"
+    return "warn" if kl > t["kl_warn"] else None
+
+
+def reward_signal(reward_stds: Sequence[float], returns: Sequence[float], lengths: Sequence[float],
+                  time_limit: int | None = None, t: dict = THRESHOLDS) -> tuple[str, str] | None:
+    """``(cause, evidence)`` when the rewards carry no learning signal (yet), else None (also while undecided).
+
+    Looks at every update given (reward std of each rollout, mean return and length of the episodes finished in
+    it; NaN where none finished). A constant per-step reward (std 0 on every update) is a valid signal while the
+    returns vary, i.e. while episode lengths do (CartPole's +1, Acrobot's -1); it is a problem when
+    - every finished episode returned 0: ``rewards_all_zero``;
+    - every finished episode returned the same and lasted the same, in at least two updates: ``zero_reward_variance``
+      (the reward cannot rank actions) -- unless every episode ran to the env's time limit: then the length is
+      the time limit's, not the policy's, and a terminal state (which would change the return) has just not
+      been reached yet (Acrobot before its first swing-up): an exploration problem, not the reward function,
+      returned as ``returns_at_time_limit`` (no alert; a note in the doctor).
+    Needs ``reward_patience`` updates, all with reward std 0. Without a finished episode nothing is decided: a
+    reward std of 0 says nothing about the reward's value.
+    """
+    stds = _fin(reward_stds)
+    if len(stds) < int(t["reward_patience"]) or any(s != 0.0 for s in stds):
+        return None
+    rets, lens = _fin(returns), _fin(lengths)
+    if not rets:
+        return None
+    if all(r == 0.0 for r in rets):
+        return "rewards_all_zero", f"reward std = 0 on all {len(stds)} updates and every finished episode returned 0"
+    if len(rets) >= 2 and max(rets) == min(rets) and (not lens or max(lens) == min(lens)):
+        if time_limit and lens and lens[0] >= time_limit:
+            return "returns_at_time_limit", (f"reward std = 0 on all {len(stds)} updates and every episode ran to the "
+                                             f"time limit ({time_limit} steps) with return {rets[0]:.4g}")
+        return "zero_reward_variance", (f"reward std = 0 on all {len(stds)} updates and every episode returned "
+                                        f"{rets[0]:.4g}" + (f" in {lens[0]:g} steps" if lens else ""))
+    return None
+
+
+def entropy_collapse(h0: float, h: float, kind: str, action_dim: int = 1, t: dict = THRESHOLDS) -> str | None:
+    """The collapse rule entropy ``h`` breaks against its start ``h0`` (for the message), or None.
+
+    Discrete: below ``entropy_collapse_frac`` of the start (a categorical entropy is >= 0, so this is
+    near-deterministic). Continuous (no floor, can be negative): more than ``entropy_collapse_nats_per_dim`` nats
+    per action dimension below the start, i.e. the std shrank by e^2.5 ~ 12 in every dimension.
+    """
+    if not (_finite(h0) and _finite(h)):
+        return None
+    if kind == "continuous":
+        drop = t["entropy_collapse_nats_per_dim"] * max(1, int(action_dim))
+        return f"more than {drop:g} nats below its start {h0:.4g}" if h0 - h > drop else None
+    frac = t["entropy_collapse_frac"]
+    return f"below {frac:.0%} of its start {h0:.4g}" if h0 > 0 and h < frac * h0 else None
+
+
+def critic_never_learned(evs: Sequence[float], t: dict = THRESHOLDS) -> bool:
+    """Explained variance never above ``ev_min`` over at least ``ev_patience`` updates (some of them measured)."""
+    return len(evs) >= int(t["ev_patience"]) and bool(_fin(evs)) and max(_fin(evs)) <= t["ev_min"]
+
+
+def nonfinite_counts(m: dict) -> dict[str, Any]:
+    """One update's non-finite evidence: skipped minibatches, non-finite losses, env steps, advantages (0 / {})."""
+    skipped = _num(m, S.SKIPPED_MINIBATCHES)
+    env_bad, adv_bad = _num(m, S.NONFINITE_ENV), _num(m, S.ADVANTAGES_NONFINITE)
+    return {"skipped": skipped if _finite(skipped) and skipped > 0 else 0.0,
+            "losses": {k: _num(m, k) for k in (S.POLICY_LOSS, S.VALUE_LOSS, S.APPROX_KL)
+                       if k in m and not _finite(_num(m, k))},
+            "env": env_bad if _finite(env_bad) and env_bad > 0 else 0.0,
+            "advantages": adv_bad if _finite(adv_bad) and adv_bad > 0 else 0.0}
+
+
+def longest_run(values: Sequence[float], pred) -> tuple[int, int]:
+    """``(length, end index)`` of the longest run of consecutive values where ``pred`` holds (``(0, -1)``: none)."""
+    run_len, best, best_end = 0, 0, -1
+    for i, v in enumerate(values):
+        run_len = run_len + 1 if pred(v) else 0
+        if run_len > best:
+            best, best_end = run_len, i
+    return best, best_end
+
+
+def episode_time_limit(env_id: str | None, env_kwargs: dict | None = None) -> int | None:
+    """The env's time limit (``max_episode_steps``) from Gymnasium's registry, or None when unknown.
+
+    Read from the registry only, never by importing a ``module:Env`` id's module, so the doctor can ask it about
+    any run directory without running user code.
+    """
+    if not env_id:
+        return None
+    if env_kwargs and env_kwargs.get("max_episode_steps") is not None:
+        try:
+            return int(env_kwargs["max_episode_steps"])
+        except (TypeError, ValueError):
+            return None
+    try:
+        import gymnasium as gym
+
+        from . import envs  # noqa: F401 - registers ppokit's own envs
+    except Exception:  # noqa: BLE001 - no registry: the time limit is simply unknown
+        return None
+    spec = gym.registry.get(env_id.split(":", 1)[-1])
+    steps = getattr(spec, "max_episode_steps", None)
+    return int(steps) if steps else None
 
 
 @dataclass
@@ -83,10 +191,16 @@ def _finite(x: float) -> bool:
 
 
 class Monitor:
-    """Stateful checker of the per-update metrics; ``check`` returns the alerts due this update."""
+    """Stateful checker of the per-update metrics; ``check`` returns the alerts due this update.
+
+    ``time_limit``: the env's ``max_episode_steps`` (see ``reward_signal``). ``monitor_kl`` / ``monitor_clipfrac``
+    False (``PPOConfig``'s fields of those names, allowed only with ``--unsafe``) turn the KL alerts
+    (``kl_high``, ``kl_blowup``) and the clip-fraction alerts (``clip_never_fires``, ``clipfrac_high``) off.
+    """
 
     def __init__(self, cooldown: int = 10, thresholds: dict | None = None, action_kind: str | None = None,
-                 action_dim: int = 1):
+                 action_dim: int = 1, time_limit: int | None = None, monitor_kl: bool = True,
+                 monitor_clipfrac: bool = True):
         self.cooldown = cooldown
         unknown = set(thresholds or {}) - set(THRESHOLDS)
         if unknown:
@@ -94,12 +208,13 @@ class Monitor:
         self.t = dict(THRESHOLDS, **(thresholds or {}))
         self.action_kind = action_kind
         self.action_dim = max(1, int(action_dim))
+        self.time_limit = time_limit
+        self.monitor_kl = monitor_kl
+        self.monitor_clipfrac = monitor_clipfrac
         self.history: list[dict[str, float]] = []
         self._last_fired: dict[str, int] = {}
         self._first_entropy: float | None = None
-        self._first_return: float | None = None
         self._first_lr: float | None = None
-        self._ev_ever_rose = False
         self._saw_negative_entropy = False
 
     def _fire(self, out: list[Alert], update: int, alert: Alert) -> None:
@@ -116,73 +231,77 @@ class Monitor:
             return None
         return [_num(h, key) for h in self.history[-n:]]
 
+    def _all(self, key: str) -> list[float]:
+        """Every value of ``key`` seen so far (NaN where missing)."""
+        return [_num(h, key) for h in self.history]
+
     def check(self, update: int, m: dict[str, float]) -> list[Alert]:
         """Alerts for update number ``update`` with metrics ``m`` (keys as logged by the trainer)."""
         self.history.append(m)
         out: list[Alert] = []
-        for rule in (self._nonfinite, self._reward_signal, self._kl, self._clipfrac, self._critic, self._entropy):
+        rules = [self._nonfinite, self._reward_signal]
+        rules += [self._kl] if self.monitor_kl else []
+        rules += [self._clipfrac] if self.monitor_clipfrac else []
+        for rule in rules + [self._critic, self._entropy]:
             rule(out, update, m)
         return out
 
     # ---------------------------------------------------------------- rules
     def _nonfinite(self, out: list[Alert], update: int, m: dict) -> None:
-        skipped = _num(m, "diag/skipped_minibatches")
-        bad_losses = {k: _num(m, k) for k in ("losses/policy_loss", "losses/value_loss", "diag/approx_kl")
-                      if k in m and not _finite(_num(m, k))}
+        bad = nonfinite_counts(m)
+        skipped, bad_losses = bad["skipped"], bad["losses"]
         # A fully skipped update leaves its loss stats NaN; report that once, as skipped minibatches.
-        if (_finite(skipped) and skipped > 0) or bad_losses:
+        if skipped or bad_losses:
             self._fire(out, update, Alert(
                 "alert", "nonfinite_loss",
                 (f"{int(skipped)} minibatch(es) had a non-finite loss or gradient and were skipped; "
-                 if _finite(skipped) and skipped > 0 else "")
+                 if skipped else "")
                 + (f"non-finite {', '.join(bad_losses)}; " if bad_losses else "")
                 + "check rewards/observations for NaN/Inf, lower learning_rate",
-                {"skipped": skipped if _finite(skipped) else None, **{k: str(v) for k, v in bad_losses.items()}}))
-        env_bad = _num(m, "diag/nonfinite_env")
-        if _finite(env_bad) and env_bad > 0:
+                {"skipped": skipped or None, **{k: str(v) for k, v in bad_losses.items()}}))
+        if bad["env"]:
             self._fire(out, update, Alert("alert", "nonfinite_env",
-                                          f"{int(env_bad)} environment step(s) returned NaN/Inf observations or "
-                                          "rewards; they were dropped from training", {"steps": env_bad}))
-        adv_bad = _num(m, "diag/advantages_nonfinite")
-        if _finite(adv_bad) and adv_bad > 0:
+                                          f"{int(bad['env'])} environment step(s) returned NaN/Inf observations or "
+                                          "rewards; they were dropped from training", {"steps": bad["env"]}))
+        if bad["advantages"]:
             self._fire(out, update, Alert("alert", "nonfinite_advantages",
-                                          f"{int(adv_bad)} advantage(s) are NaN/Inf: check the value head and the "
-                                          "reward scale (normalize_reward)", {"count": adv_bad}))
+                                          f"{int(bad['advantages'])} advantage(s) are NaN/Inf: check the value head "
+                                          "and the reward scale (normalize_reward)", {"count": bad["advantages"]}))
 
     def _reward_signal(self, out: list[Alert], update: int, m: dict) -> None:
-        ret = _num(m, "charts/episodic_return")
-        if self._first_return is None and _finite(ret):
-            self._first_return = ret
-        p = int(self.t["reward_patience"])
-        stds = self._recent("diag/reward_std", p)
-        if stds is None or not all(s == 0.0 for s in stds):
+        # Judged on every update so far, as the doctor judges the whole run: once the returns have varied, the
+        # constant per-step reward has shown it carries a signal, and no later window can say otherwise.
+        verdict = reward_signal(self._all(S.REWARD_STD), self._all(S.EPISODIC_RETURN), self._all(S.EPISODIC_LENGTH),
+                                self.time_limit, self.t)
+        if verdict is None:
             return
-        rets = [r for r in self._recent("charts/episodic_return", p) if _finite(r)]
-        lens = [x for x in self._recent("charts/episodic_length", p) if _finite(x)]
-        if rets and all(r == 0.0 for r in rets):
+        cause, evidence = verdict
+        n = len(self.history)
+        if cause == "returns_at_time_limit":
+            return  # not the reward function's fault: the policy has not reached a terminal state yet
+        if cause == "rewards_all_zero":
             self._fire(out, update, Alert(
                 "alert", "rewards_all_zero",
-                f"every reward was 0 for {p} updates (episodes finished with return 0): there is no learning "
+                f"every reward was 0 for {n} updates (episodes finished with return 0): there is no learning "
                 "signal; check the reward function, or shape the reward / explore more on a sparse task",
                 {"reward_std": 0.0, "episodic_return": 0.0}))
             return
-        # Constant reward: fine while episode lengths (hence returns) vary, or once the return has moved.
-        if (len(rets) >= 2 and max(rets) == min(rets) and (not lens or max(lens) == min(lens))
-                and self._first_return is not None and rets[-1] == self._first_return):
-            self._fire(out, update, Alert(
-                "warn", "zero_reward_variance",
-                f"rewards and episode returns ({rets[-1]:g}) were identical for {p} updates and have not changed "
-                "since the start: no learning signal; check the reward function",
-                {"reward_std": 0.0, "episodic_return": rets[-1]}))
+        ret = _fin(self._all(S.EPISODIC_RETURN))[-1]
+        self._fire(out, update, Alert(
+            "warn", "zero_reward_variance",
+            f"rewards and episode returns ({ret:g}) were identical for {n} updates, every episode the same length "
+            "(not the time limit): no learning signal; check the reward function", {"reward_std": 0.0,
+                                                                                     "episodic_return": ret}))
 
     def _kl(self, out: list[Alert], update: int, m: dict) -> None:
-        kl = _num(m, "diag/approx_kl")
+        kl = _num(m, S.APPROX_KL)
         t = self.t
-        if kl > t["kl_alert"]:
+        level = kl_level(kl, t)
+        if level == "alert":
             self._fire(out, update, Alert("alert", "kl_blowup",
                                           f"approx KL {kl:.3g} > {t['kl_alert']}: the policy left the trust region; "
                                           "lower update_epochs or learning_rate, or set target_kl", {"approx_kl": kl}))
-        elif kl > t["kl_warn"]:
+        elif level == "warn":
             self._fire(out, update, Alert("warn", "kl_high",
                                           f"approx KL {kl:.3g} > {t['kl_warn']}: updates are large; consider a "
                                           "lower learning_rate or target_kl", {"approx_kl": kl}))
@@ -190,8 +309,8 @@ class Monitor:
     def _clipfrac(self, out: list[Alert], update: int, m: dict) -> None:
         t = self.t
         p = int(t["clipfrac_patience"])
-        recent = self._recent("diag/clipfrac", p)
-        lr = _num(m, "charts/learning_rate")
+        recent = self._recent(S.CLIPFRAC, p)
+        lr = _num(m, S.LEARNING_RATE)
         if self._first_lr is None and _finite(lr):
             self._first_lr = lr
         if recent is None:
@@ -208,14 +327,15 @@ class Monitor:
                   and not (self._first_lr and _finite(lr) and lr < t["lr_tail_frac"] * self._first_lr)
                   # A near-deterministic policy barely moves by nature (saturated probabilities, and on a solved
                   # task constant advantages normalize to 0); entropy_collapse reports that state.
-                  and not self._collapse_rule(_num(m, "diag/entropy"))):
+                  and not self._collapse_rule(_num(m, S.ENTROPY))):
                 self._fire(out, update, Alert("warn", "clip_never_fires",
                                               f"clip fraction < {t['clipfrac_low']} and approx KL < "
                                               f"{t['kl_negligible']:g} for {p} updates: the policy does not move; "
                                               "if the return is flat, check rewards/advantages and grad norm, "
                                               "then raise learning_rate or update_epochs",
                                               {"clipfrac": clipfrac, "approx_kl": kls[-1], "learning_rate": lr}))
-        if all(c > t["clipfrac_high"] for c in recent):
+        # The doctor's clipfrac_high is the same test over the whole run: a run of p updates above the line.
+        if longest_run(recent, lambda c: c > t["clipfrac_high"])[0] >= p:
             self._fire(out, update, Alert("alert", "clipfrac_high",
                                           f"clip fraction > {t['clipfrac_high']} for {p} updates: over-fitting the "
                                           "rollout (drift); lower learning_rate or update_epochs",
@@ -224,27 +344,22 @@ class Monitor:
     def _recent_kl(self, n: int) -> list[float]:
         """The last ``n`` updates' KL of pi_theta after the update against pi_old when logged (A2C's in-update KL is
         taken before its only step, hence always 0), else the in-update approx KL."""
-        return [_num(h, "diag/approx_kl_after") if _finite(_num(h, "diag/approx_kl_after"))
-                else _num(h, "diag/approx_kl") for h in self.history[-n:]]
+        return [_num(h, S.APPROX_KL_AFTER) if _finite(_num(h, S.APPROX_KL_AFTER))
+                else _num(h, S.APPROX_KL) for h in self.history[-n:]]
 
     def _critic(self, out: list[Alert], update: int, m: dict) -> None:
         t = self.t
-        ev = _num(m, "diag/explained_variance")
-        if _finite(ev) and ev > t["ev_min"]:
-            self._ev_ever_rose = True
-        n = int(t["ev_patience"])
-        if self._ev_ever_rose or len(self.history) < n:
-            return
-        evs = [e for e in self._recent("diag/explained_variance", n) if _finite(e)]
-        if evs:
+        evs = self._all(S.EXPLAINED_VARIANCE)
+        if critic_never_learned(evs, t):
+            last = _fin(evs)[-1]
             self._fire(out, update, Alert("warn", "critic_not_learning",
                                           f"explained variance has never exceeded {t['ev_min']} in {len(self.history)} "
-                                          f"updates (latest {evs[-1]:.3g}): the critic is not learning; check "
+                                          f"updates (latest {last:.3g}): the critic is not learning; check "
                                           "learning_rate, vf_coef and the reward scale (normalize_reward)",
-                                          {"explained_variance": evs[-1]}))
+                                          {"explained_variance": last}))
 
     def _entropy(self, out: list[Alert], update: int, m: dict) -> None:
-        ent = _num(m, "diag/entropy")
+        ent = _num(m, S.ENTROPY)
         if not _finite(ent):
             return
         if ent < 0:
@@ -256,18 +371,13 @@ class Monitor:
         if rule:
             h0 = self._first_entropy
             self._fire(out, update, Alert("warn", "entropy_collapse",
-                                          f"entropy {ent:.4g} fell {rule} ({h0:.4g}): the policy became "
-                                          "near-deterministic; if the return is not at its optimum, raise ent_coef "
-                                          "or lower learning_rate", {"entropy": ent, "entropy_start": h0}))
+                                          f"entropy {ent:.4g} fell {rule}: the policy became near-deterministic; if "
+                                          "the return is not at its optimum, raise ent_coef or lower learning_rate",
+                                          {"entropy": ent, "entropy_start": h0}))
 
     def _collapse_rule(self, ent: float) -> str | None:
         """The collapse rule ``ent`` breaks (for the message), or None while the entropy has not collapsed."""
-        if self._first_entropy is None or not _finite(ent):
+        if self._first_entropy is None:
             return None
         kind = self.action_kind or ("continuous" if self._saw_negative_entropy else "discrete")
-        h0, t = self._first_entropy, self.t
-        if kind == "continuous":
-            drop = t["entropy_collapse_nats_per_dim"] * self.action_dim
-            return f"more than {drop:g} nats below its start" if h0 - ent > drop else None
-        frac = t["entropy_collapse_frac"]
-        return f"below {frac:.0%} of its start" if h0 > 0 and ent < frac * h0 else None
+        return entropy_collapse(self._first_entropy, ent, kind, self.action_dim, self.t)

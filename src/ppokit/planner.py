@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConfigError, PPOConfig, load_preset
-from .monitor import THRESHOLDS
+from . import schema as S
+from .schema import THRESHOLDS
 
 __all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "diagnostics_plan", "MIN_UPDATES"]
 
@@ -226,18 +227,18 @@ def diagnostics_plan() -> list[dict[str, str]]:
     """What to watch every update, with the healthy range, the alert thresholds and the action for each."""
     t = THRESHOLDS
     return [
-        {"metric": "diag/approx_kl", "healthy": f"0 - {t['kl_warn']}",
+        {"metric": S.APPROX_KL, "healthy": f"0 - {t['kl_warn']}",
          "alert": f"warn > {t['kl_warn']}, alert > {t['kl_alert']}",
          "action": f"above {t['kl_alert']}: lower update_epochs (K) or learning_rate, or set target_kl"},
-        {"metric": "diag/clipfrac", "healthy": "0.1 - 0.3",
+        {"metric": S.CLIPFRAC, "healthy": f"{S.CLIPFRAC_HEALTHY[0]} - {S.CLIPFRAC_HEALTHY[1]}",
          "alert": f"~0 (< {t['clipfrac_low']}) for {t['clipfrac_patience']} updates; > {t['clipfrac_high']} sustained "
                   f"for {t['clipfrac_patience']} updates (drift)",
-         "action": "~0: the clip never fires, raise learning_rate or K; > 0.4 sustained: over-fitting the rollout, "
-                   "lower learning_rate or K"},
-        {"metric": "diag/explained_variance", "healthy": "climbs towards 1 as the critic learns",
+         "action": f"~0: the clip never fires, raise learning_rate or K; > {t['clipfrac_high']} sustained: "
+                   "over-fitting the rollout, lower learning_rate or K"},
+        {"metric": S.EXPLAINED_VARIANCE, "healthy": "climbs towards 1 as the critic learns",
          "alert": f"never above {t['ev_min']} after {t['ev_patience']} updates",
          "action": "critic not learning: check vf_coef, reward scale (normalize_reward), gamma"},
-        {"metric": "diag/entropy", "healthy": "decreases slowly while return rises",
+        {"metric": S.ENTROPY, "healthy": "decreases slowly while return rises",
          "alert": f"discrete: below {t['entropy_collapse_frac']:.0%} of its start; continuous: more than "
                   f"{t['entropy_collapse_nats_per_dim']} nats per action dim below its start",
          "action": "collapse before the return plateaus: raise ent_coef or lower learning_rate"},

@@ -12,24 +12,26 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from . import schema as S
+
 __all__ = ["objective_figure", "plot_curves", "read_metrics", "run_title", "PLAIN_TEXT"]
 
 # Text properties for every string that comes from a run (env ids, alert names and messages, titles): drawn as
 # plain text, never parsed as mathtext or LaTeX, so "$\undefinedmacro{x$" in an alert is shown, not a crash.
 PLAIN_TEXT = {"parse_math": False, "usetex": False}
 
-# Thresholds drawn on the diagnostics panel (see README, "The math"): approx KL above ~0.02 means large policy
-# steps for the usual clip of 0.2, above ~0.1 the update is off the trust region; a clip fraction of 0.1-0.3 is
-# the usual healthy band.
-KL_WARN = 0.02
-KL_ALARM = 0.1
-CLIPFRAC_BAND = (0.1, 0.3)
+# Thresholds drawn on the diagnostics panel (see README, "The math"), the monitor's own (schema.py): approx KL
+# above ~0.02 means large policy steps for the usual clip of 0.2, above ~0.1 the update is off the trust region;
+# a clip fraction of 0.1-0.3 is the usual healthy band.
+KL_WARN = S.KL_WARN
+KL_ALARM = S.KL_ALERT
+CLIPFRAC_BAND = S.CLIPFRAC_HEALTHY
 
 _PANELS = (
-    ("charts/episodic_return", "episodic return"),
-    ("diag/approx_kl", "approx KL (k3)"),
-    ("diag/clipfrac", "clip fraction"),
-    ("diag/explained_variance", "explained variance"),
+    (S.EPISODIC_RETURN, "episodic return"),
+    (S.APPROX_KL, "approx KL (k3)"),
+    (S.CLIPFRAC, "clip fraction"),
+    (S.EXPLAINED_VARIANCE, "explained variance"),
 )
 
 
@@ -134,7 +136,7 @@ def _alert_marks(alerts: Iterable[Any] | None) -> list[tuple[float, str]]:
             step, label = alert[0], alert[1]
         else:
             get = alert.get if isinstance(alert, Mapping) else (lambda key, a=alert: getattr(a, key, None))
-            step = get("global_step")
+            step = get(S.GLOBAL_STEP)
             if step is None:
                 step = get("step")
             label = next((get(k) for k in ("name", "kind", "message") if get(k) is not None), "")
@@ -179,9 +181,9 @@ def plot_curves(
     algo, seed, run dir name) heads the figure. Every run-supplied string is drawn as plain text (``PLAIN_TEXT``).
     """
     columns = read_metrics(metrics_csv_path)
-    if "global_step" not in columns:
-        raise ValueError(f"{os.fspath(metrics_csv_path)}: no 'global_step' column (got {sorted(columns)})")
-    steps = columns["global_step"]
+    if S.GLOBAL_STEP not in columns:
+        raise ValueError(f"{os.fspath(metrics_csv_path)}: no '{S.GLOBAL_STEP}' column (got {sorted(columns)})")
+    steps = columns[S.GLOBAL_STEP]
     marks = _alert_marks(alerts)
 
     fig = _new_figure(figsize=(10.0, 7.0), layout="constrained")
@@ -193,14 +195,15 @@ def plot_curves(
             ax.plot(xs, ys, color="tab:blue", lw=1.4, marker="." if len(xs) < 30 else None)
         else:
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.5")
-        if column == "diag/approx_kl":
+        if column == S.APPROX_KL:
             ax.axhline(KL_WARN, color="tab:orange", ls="--", lw=1.0, label=f"{KL_WARN:g}")
             ax.axhline(KL_ALARM, color="tab:red", ls="--", lw=1.0, label=f"{KL_ALARM:g}")
             ax.legend(loc="best", fontsize=8, framealpha=0.9, edgecolor="none")
-        elif column == "diag/clipfrac":
-            ax.axhspan(*CLIPFRAC_BAND, color="tab:green", alpha=0.12, lw=0, label="healthy 0.1–0.3")
+        elif column == S.CLIPFRAC:
+            ax.axhspan(*CLIPFRAC_BAND, color="tab:green", alpha=0.12, lw=0,
+                       label=f"healthy {CLIPFRAC_BAND[0]:g}–{CLIPFRAC_BAND[1]:g}")
             ax.legend(loc="best", fontsize=8, framealpha=0.9, edgecolor="none")
-        elif column == "diag/explained_variance":
+        elif column == S.EXPLAINED_VARIANCE:
             ax.axhline(1.0, color="0.6", ls=":", lw=0.8)
             ax.axhline(0.0, color="0.6", ls=":", lw=0.8)
         for step, label in marks:

@@ -1,8 +1,8 @@
 """``ppokit report``: one self-contained HTML page per run (no JavaScript, images embedded as base64 PNG).
 
 Sections: an UNSAFE banner when the run is stamped, the doctor's verdict and findings, the training curves
-(return, approx KL with its 0.02/0.1 lines, clip fraction with its 0.1-0.3 band, explained variance, entropy,
-learning rate, SPS), the alerts on a timeline plus their table, and the config table.
+(return, approx KL with its warn/alert lines, clip fraction with its healthy band and drift line, explained
+variance, entropy, learning rate, SPS; thresholds from ``schema.py``), the alerts on a timeline plus their table, and the config table.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import io
 import math
 from pathlib import Path
 
+from . import schema as S
 from .doctor import Diagnosis, diagnose, load_run
 from .plots import CLIPFRAC_BAND, KL_ALARM, KL_WARN, PLAIN_TEXT, _new_figure
 
@@ -20,13 +21,13 @@ __all__ = ["build_report", "write_report", "CURVES"]
 
 # (column, title, y label)
 CURVES = (
-    ("charts/episodic_return", "Episodic return", "return"),
-    ("diag/approx_kl", "Approx KL (k3)", "KL"),
-    ("diag/clipfrac", "Clip fraction", "fraction"),
-    ("diag/explained_variance", "Explained variance", "EV"),
-    ("diag/entropy", "Policy entropy", "nats"),
-    ("charts/learning_rate", "Learning rate", "LR"),
-    ("perf/sps", "Steps per second", "SPS"),
+    (S.EPISODIC_RETURN, "Episodic return", "return"),
+    (S.APPROX_KL, "Approx KL (k3)", "KL"),
+    (S.CLIPFRAC, "Clip fraction", "fraction"),
+    (S.EXPLAINED_VARIANCE, "Explained variance", "EV"),
+    (S.ENTROPY, "Policy entropy", "nats"),
+    (S.LEARNING_RATE, "Learning rate", "LR"),
+    (S.SPS, "Steps per second", "SPS"),
 )
 _LEVEL_COLORS = {"alert": "tab:red", "warn": "tab:orange"}
 
@@ -60,18 +61,19 @@ def _curve(steps: list[float], ys: list[float], column: str, title: str, ylabel:
                 marker="." if len(pts) < 30 else None)
     else:
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.5")
-    if column == "diag/approx_kl":
+    if column == S.APPROX_KL:
         ax.axhline(KL_WARN, color="tab:orange", ls="--", lw=1, label=f"warn {KL_WARN:g}")
         ax.axhline(KL_ALARM, color="tab:red", ls="--", lw=1, label=f"alert {KL_ALARM:g}")
         if pts and max(p[1] for p in pts) > 10 * KL_ALARM:
             ax.set_yscale("symlog", linthresh=KL_WARN)
             ax.set_ylim(bottom=0)
         ax.legend(fontsize=8, loc="best")
-    elif column == "diag/clipfrac":
-        ax.axhspan(*CLIPFRAC_BAND, color="tab:green", alpha=0.15, lw=0, label="healthy 0.1-0.3")
-        ax.axhline(0.4, color="tab:red", ls="--", lw=1, label="drift 0.4")
+    elif column == S.CLIPFRAC:
+        ax.axhspan(*CLIPFRAC_BAND, color="tab:green", alpha=0.15, lw=0,
+                   label=f"healthy {CLIPFRAC_BAND[0]:g}-{CLIPFRAC_BAND[1]:g}")
+        ax.axhline(S.CLIPFRAC_HIGH, color="tab:red", ls="--", lw=1, label=f"drift {S.CLIPFRAC_HIGH:g}")
         ax.legend(fontsize=8, loc="best")
-    elif column == "diag/explained_variance":
+    elif column == S.EXPLAINED_VARIANCE:
         ax.axhline(1.0, color="0.6", ls=":", lw=0.8)
         ax.axhline(0.0, color="0.6", ls=":", lw=0.8)
     for a in alerts:
@@ -128,7 +130,7 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
     run = load_run(run_dir)
     diag = diagnosis or diagnose(run_dir)
     alerts = _clean_alerts(run.alerts)
-    steps = run.col("global_step")
+    steps = run.col(S.GLOBAL_STEP)
     max_step = max([s for s in steps if math.isfinite(s)] or [0.0])
     env_id = run.config.get("env_id", "?")
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

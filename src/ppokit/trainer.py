@@ -22,7 +22,8 @@ from .advantages import gae
 from .buffer import RolloutBuffer
 from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, checked_reset, env_failure
 from .config import ConfigError, PPOConfig
-from .monitor import Monitor
+from . import schema as S
+from .monitor import Monitor, episode_time_limit
 from .normalize import ObsNormalizer, RewardScaler
 from .objectives import explained_variance
 from .resources import check_memory, usable_threads
@@ -147,7 +148,9 @@ class Trainer:
         self.ep_return = np.zeros(cfg.num_envs, dtype=np.float64)
         self.ep_length = np.zeros(cfg.num_envs, dtype=np.int64)
         self.prev_done = np.zeros(cfg.num_envs, dtype=bool)
-        self.monitor = Monitor(action_kind=self.action_kind, action_dim=self.policy.action_dims[0])
+        self.monitor = Monitor(action_kind=self.action_kind, action_dim=self.policy.action_dims[0],
+                               time_limit=episode_time_limit(cfg.env_id, cfg.env_kwargs),
+                               monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
         self.perf = dict.fromkeys(PERF_PHASES, 0.0)
         self._stop_requested = False
         self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
@@ -549,39 +552,39 @@ class Trainer:
         ev = float(explained_variance(batch.values_old, batch.returns)) if len(batch) > 1 else nan
         rewards = self.buffer.rewards[self.buffer.valid]
         m = {
-            "update": float(self.update_idx),
-            "charts/episodic_return": float(np.mean([e[0] for e in episodes])) if episodes else nan,
-            "charts/episodic_length": float(np.mean([e[1] for e in episodes])) if episodes else nan,
-            "charts/episodes": float(len(episodes)),
-            "charts/learning_rate": lr,
-            "charts/clip_coef": clip_coef,
-            "charts/kl_beta": self.kl_beta,
-            "losses/policy_loss": stats["policy_loss"],
-            "losses/value_loss": stats["value_loss"],
-            "losses/entropy_loss": -stats["entropy"],
-            "diag/entropy": stats["entropy"],
-            "diag/approx_kl": stats["approx_kl"],
-            "diag/approx_kl_k1": stats["approx_kl_k1"],
+            S.UPDATE: float(self.update_idx),
+            S.EPISODIC_RETURN: float(np.mean([e[0] for e in episodes])) if episodes else nan,
+            S.EPISODIC_LENGTH: float(np.mean([e[1] for e in episodes])) if episodes else nan,
+            S.EPISODES: float(len(episodes)),
+            S.LEARNING_RATE: lr,
+            S.CLIP_COEF: clip_coef,
+            S.KL_BETA: self.kl_beta,
+            S.POLICY_LOSS: stats["policy_loss"],
+            S.VALUE_LOSS: stats["value_loss"],
+            S.ENTROPY_LOSS: -stats["entropy"],
+            S.ENTROPY: stats["entropy"],
+            S.APPROX_KL: stats["approx_kl"],
+            S.APPROX_KL_K1: stats["approx_kl_k1"],
             # diag/approx_kl is measured on each minibatch's forward pass, before its step (0 for a2c's only
             # step); this one is the whole update's move: k3 of pi_theta after it vs pi_old, on the whole batch.
-            "diag/approx_kl_after": kl_after,
-            "diag/clipfrac": stats["clipfrac"],
-            "diag/explained_variance": ev,
-            "diag/grad_norm": stats["grad_norm"],
-            "diag/epochs_run": stats["epochs_run"],
-            "diag/early_stopped": stats["early_stopped"],
-            "diag/minibatches": stats["minibatches"],
-            "diag/skipped_minibatches": stats["skipped_minibatches"],
-            "diag/nonfinite_env": float(nonfinite_env),
-            "diag/advantages_nonfinite": float((~torch.isfinite(advantages)).sum()),
-            "diag/reward_std": float(rewards.std()) if rewards.numel() > 1 else nan,
-            "diag/advantage_std": float(batch.advantages.std()) if len(batch) > 1 else nan,
-            "perf/sps": (self.global_step - start_step) / elapsed,
+            S.APPROX_KL_AFTER: kl_after,
+            S.CLIPFRAC: stats["clipfrac"],
+            S.EXPLAINED_VARIANCE: ev,
+            S.GRAD_NORM: stats["grad_norm"],
+            S.EPOCHS_RUN: stats["epochs_run"],
+            S.EARLY_STOPPED: stats["early_stopped"],
+            S.MINIBATCHES: stats["minibatches"],
+            S.SKIPPED_MINIBATCHES: stats["skipped_minibatches"],
+            S.NONFINITE_ENV: float(nonfinite_env),
+            S.ADVANTAGES_NONFINITE: float((~torch.isfinite(advantages)).sum()),
+            S.REWARD_STD: float(rewards.std()) if rewards.numel() > 1 else nan,
+            S.ADVANTAGE_STD: float(batch.advantages.std()) if len(batch) > 1 else nan,
+            S.SPS: (self.global_step - start_step) / elapsed,
         }
         total = sum(self.perf.values()) or 1.0
         for phase in PERF_PHASES:
-            m[f"perf/time_{phase}"] = self.perf[phase]
-            m[f"perf/frac_{phase}"] = self.perf[phase] / total
+            m[S.perf_time(phase)] = self.perf[phase]
+            m[S.perf_frac(phase)] = self.perf[phase] / total
         return m
 
     def _finish(self, wall: float, start_step: int) -> None:
