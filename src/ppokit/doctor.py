@@ -358,7 +358,7 @@ def _rule_kl_blowup(c: _Context) -> Finding | None:
         [f"approx KL > {t['kl_alert']} on {len(kl_hi)}/{n} updates: {_show(kl_hi)}",
          f"worst {worst[1]:.4g} at update {worst[0]} (healthy: 0-{t['kl_warn']})",
          f"config: learning_rate {c.cfg_lr!r}, update_epochs {run.config.get('update_epochs')!r}"],
-        "lower learning_rate (e.g. 10x) and/or update_epochs, or set target_kl = 0.02 for early stopping",
+        f"lower learning_rate (e.g. 10x) and/or update_epochs, or set target_kl = {t['kl_warn']:g} for early stopping",
         [u for u, _ in kl_hi])
 
 
@@ -445,7 +445,8 @@ def _rule_clip_never_fires(c: _Context) -> Finding | None:
     """8. Clip ~0 on most updates (outside the annealed tail) with a flat return, and nothing else wrong."""
     run, t, peak = c.run, c.t, c.lr_peak
     low_cf = [(u, v) for u, v, lr in zip(run.updates, run.col(S.CLIPFRAC), run.col(S.LEARNING_RATE))
-              if math.isfinite(v) and v < t["clipfrac_low"] and not (math.isfinite(lr) and lr < t["lr_tail_frac"] * peak)]
+              if math.isfinite(v) and v < t["clipfrac_low"]
+              and not (math.isfinite(lr) and lr < t["lr_tail_frac"] * peak)]
     c.q3 = c.flat and len(low_cf) > c.n / 2
     if not c.q3 or c.problems():
         return None
@@ -490,8 +491,8 @@ def _rule_kl_high(c: _Context) -> Finding | None:
 # entropy/exploration), with the trust-region and critic checks in between; each rule sees what the earlier ones
 # found (``_Context``), e.g. a pinned entropy is only blamed once the signal and the optimizer are fine.
 RULES = (_rule_nonfinite, _rule_reward_signal, _rule_signal_alert_cleared, _rule_advantages_constant,
-         _rule_learning_rate, _rule_grad_zero, _rule_kl_blowup, _rule_clipfrac_high, _rule_entropy_collapse, _rule_entropy_pinned, _rule_critic,
-         _rule_clip_never_fires, _rule_unsafe, _rule_monitoring_off)
+         _rule_learning_rate, _rule_grad_zero, _rule_kl_blowup, _rule_clipfrac_high, _rule_entropy_collapse,
+         _rule_entropy_pinned, _rule_critic, _rule_clip_never_fires, _rule_unsafe, _rule_monitoring_off)
 NOTES = (_rule_kl_high,)  # after the health verdict: they never make a run unhealthy
 ORDER = ["nonfinite", "rewards_all_zero", "zero_reward_variance", "advantages_constant", "lr_zero", "lr_decayed",
          "grad_zero", "kl_blowup", "clipfrac_high", "entropy_collapse", "entropy_pinned", "critic_not_learning",

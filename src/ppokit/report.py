@@ -2,7 +2,8 @@
 
 Sections: an UNSAFE banner when the run is stamped, the doctor's verdict and findings, the training curves
 (return, approx KL with its warn/alert lines, clip fraction with its healthy band and drift line, explained
-variance, entropy, learning rate, SPS; thresholds from ``schema.py``), the alerts on a timeline plus their table, and the config table.
+variance, entropy, learning rate, SPS; thresholds from ``schema.py``), the alerts on a timeline plus their table,
+and the config table.
 """
 
 from __future__ import annotations
