@@ -16,10 +16,11 @@ A run with none of these is reported healthy (exit code 0); otherwise exit code 
 
 Each step is a small rule function in ``RULES`` (in this order) returning a finding or None. Where the live
 monitor watches the same problem, the verdict is the monitor's own function (``monitor.reward_signal``,
-``kl_level``, ``entropy_collapse``, ``critic_never_learned``, ``nonfinite_counts``, ``longest_run``) with the
-thresholds of ``schema.py``, applied to the whole run instead of the updates seen so far, so an alert and the
-doctor give one verdict; an early signal alert that later updates overturned is named as such. A run with
-``monitor_kl`` / ``monitor_clipfrac`` off (``--unsafe``) gets a note: no live alert of that kind was raised.
+``kl_level``, ``entropy_collapse``, ``critic_never_learned``, ``nonfinite_counts``, ``longest_run``,
+``clip_idle``) with the thresholds of ``schema.py``, applied to the whole run instead of the updates seen so far,
+so an alert and the doctor give one verdict; an early signal alert that later updates overturned is named as
+such. A run with ``monitor_kl`` / ``monitor_clipfrac`` off (``--unsafe``) gets a note: no live alert of that kind
+was raised.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from . import schema as S
-from .monitor import (critic_never_learned, entropy_collapse, episode_time_limit, kl_level, longest_run,
+from .monitor import (clip_idle, critic_never_learned, entropy_collapse, episode_time_limit, kl_level, longest_run,
                       nonfinite_counts, reward_signal)
 from .schema import (ADV_CONST, CLIPFRAC_HEALTHY, ENTROPY_PINNED, GRAD_ZERO, KL_BLOWUP_MIN_UPDATES, LR_ZERO,
                      THRESHOLDS)
@@ -444,9 +445,9 @@ def _rule_critic(c: _Context) -> Finding | None:
 def _rule_clip_never_fires(c: _Context) -> Finding | None:
     """8. Clip ~0 on most updates (outside the annealed tail) with a flat return, and nothing else wrong."""
     run, t, peak = c.run, c.t, c.lr_peak
+    # The live clip_never_fires's per-update test (``monitor.clip_idle``); the doctor adds "return flat".
     low_cf = [(u, v) for u, v, lr in zip(run.updates, run.col(S.CLIPFRAC), run.col(S.LEARNING_RATE))
-              if math.isfinite(v) and v < t["clipfrac_low"]
-              and not (math.isfinite(lr) and lr < t["lr_tail_frac"] * peak)]
+              if clip_idle(v, lr, peak)]
     c.q3 = c.flat and len(low_cf) > c.n / 2
     if not c.q3 or c.problems():
         return None

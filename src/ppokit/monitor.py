@@ -6,7 +6,8 @@ condition reports once per ``cooldown`` updates instead of on every update.
 
 Rules (thresholds in ``schema.THRESHOLDS``). The verdict of each problem the doctor also reports is one function
 below (``reward_signal``, ``kl_level``, ``entropy_collapse``, ``critic_never_learned``, ``nonfinite_counts``,
-``longest_run``): the monitor applies it to the updates seen so far, ``ppokit doctor`` to the whole run.
+``longest_run``, ``clip_idle``): the monitor applies it to the updates seen so far, ``ppokit doctor`` to the whole
+run.
 
 - ``nonfinite_loss`` / ``nonfinite_env`` / ``nonfinite_advantages``: NaN/Inf anywhere in the update (alert).
 - ``rewards_all_zero``: every reward zero and every finished episode returned 0, on every update so far (at least
@@ -45,7 +46,8 @@ from . import schema as S
 from .schema import CLIPFRAC_NEVER_FIRES, KL_NEGLIGIBLE, THRESHOLDS
 
 __all__ = ["Monitor", "Alert", "THRESHOLDS", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE", "kl_level", "reward_signal",
-           "entropy_collapse", "critic_never_learned", "nonfinite_counts", "longest_run", "episode_time_limit"]
+           "entropy_collapse", "critic_never_learned", "nonfinite_counts", "longest_run", "clip_idle",
+           "episode_time_limit"]
 
 # clip_never_fires, calibrated on short runs (KL after each update; the lowest maximum over 5 consecutive updates
 # outside the annealed tail): presets cartpole 2.6e-4, acrobot 2.5e-3, pendulum 1.4e-2; the library defaults on
@@ -132,6 +134,13 @@ def nonfinite_counts(m: dict) -> dict[str, Any]:
                        if k in m and not _finite(_num(m, k))},
             "env": env_bad if _finite(env_bad) and env_bad > 0 else 0.0,
             "advantages": adv_bad if _finite(adv_bad) and adv_bad > 0 else 0.0}
+
+
+def clip_idle(clipfrac: float, lr: float, lr_start: float | None, t: dict = THRESHOLDS) -> bool:
+    """The clip never fired on this update (clip fraction below ``clipfrac_low``) outside the tail of an annealed
+    learning rate (below ``lr_tail_frac`` of ``lr_start``), where tiny steps are expected."""
+    in_tail = bool(lr_start) and _finite(lr) and lr < t["lr_tail_frac"] * lr_start
+    return _finite(clipfrac) and clipfrac < t["clipfrac_low"] and not in_tail
 
 
 def longest_run(values: Sequence[float], pred) -> tuple[int, int]:
@@ -324,7 +333,7 @@ class Monitor:
                                               "rate is 0: the policy cannot change; set learning_rate > 0",
                                               {"clipfrac": clipfrac, "approx_kl": kls[-1], "learning_rate": lr}))
             elif (all(_finite(k) and k < t["kl_negligible"] for k in kls)
-                  and not (self._first_lr and _finite(lr) and lr < t["lr_tail_frac"] * self._first_lr)
+                  and clip_idle(clipfrac, lr, self._first_lr, t)  # the annealed tail expects tiny steps
                   # A near-deterministic policy barely moves by nature (saturated probabilities, and on a solved
                   # task constant advantages normalize to 0); entropy_collapse reports that state.
                   and not self._collapse_rule(_num(m, S.ENTROPY))):
