@@ -39,8 +39,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from . import schema as S
-from .monitor import (clip_idle, critic_never_learned, entropy_collapse, episode_time_limit, kl_level, longest_run,
-                      nonfinite_counts, reward_signal)
+from .monitor import (RunSummary, clip_idle, critic_never_learned, entropy_collapse, episode_time_limit, kl_level,
+                      longest_run, nonfinite_counts, reward_signal)
 from .schema import (ADV_CONST, CLIPFRAC_HEALTHY, ENTROPY_PINNED, GRAD_ZERO, KL_BLOWUP_MIN_UPDATES, LR_ZERO,
                      THRESHOLDS)
 
@@ -210,6 +210,17 @@ class _Context:
     signal_note: str = "rewards/returns vary, advantages finite"  # the checklist's "ok (...)" text
     skipped: bool = False  # some minibatches were skipped (the optimization link's checklist line)
     q3: bool = False  # clip ~0 with a flat return: the checklist is printed
+    _summary: RunSummary | None = None
+
+    @property
+    def summary(self) -> RunSummary:
+        """The whole run as the monitor's verdicts read it (``monitor.RunSummary``), built once."""
+        if self._summary is None:
+            keys = list(self.run.cols)
+            self._summary = RunSummary()
+            for vals in zip(*self.run.cols.values()):
+                self._summary.add(dict(zip(keys, vals)))
+        return self._summary
 
     @property
     def t(self) -> dict:
@@ -259,8 +270,7 @@ def _rule_nonfinite(c: _Context) -> Finding | None:
 def _rule_reward_signal(c: _Context) -> Finding | None:
     """2a. Signal validity: the live monitor's verdict (``monitor.reward_signal``), on the whole run."""
     run = c.run
-    verdict = reward_signal(run.col(S.REWARD_STD), run.col(S.EPISODIC_RETURN), run.col(S.EPISODIC_LENGTH),
-                            c.time_limit)
+    verdict = reward_signal(c.summary, c.time_limit)
     if verdict is None:
         return None
     cause, evidence = verdict
@@ -432,12 +442,10 @@ def _rule_entropy_pinned(c: _Context) -> Finding | None:
 
 def _rule_critic(c: _Context) -> Finding | None:
     """7. The critic never learned: the live ``critic_not_learning`` verdict on the whole run."""
-    evs = c.run.col(S.EXPLAINED_VARIANCE)
-    if not critic_never_learned(evs):
+    if not critic_never_learned(c.summary):
         return None
-    fin = _fin(evs)
     return Finding("critic_not_learning", "the critic never learned (explained variance <= 0 all run)",
-                   [f"explained variance max {max(fin):.3g} over {c.n} updates, last {fin[-1]:.3g} "
+                   [f"explained variance max {c.summary.ev_max:.3g} over {c.n} updates, last {c.summary.ev_last:.3g} "
                     "(should climb towards 1)"],
                    "check vf_coef, the reward scale (normalize_reward), learning_rate and gamma")
 

@@ -45,8 +45,8 @@ from typing import Any, Sequence
 from . import schema as S
 from .schema import CLIPFRAC_NEVER_FIRES, KL_NEGLIGIBLE, THRESHOLDS
 
-__all__ = ["Monitor", "Alert", "THRESHOLDS", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE", "kl_level", "reward_signal",
-           "entropy_collapse", "critic_never_learned", "nonfinite_counts", "longest_run", "clip_idle",
+__all__ = ["Monitor", "Alert", "RunSummary", "THRESHOLDS", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE", "kl_level",
+           "reward_signal", "entropy_collapse", "critic_never_learned", "nonfinite_counts", "longest_run", "clip_idle",
            "episode_time_limit"]
 
 # clip_never_fires, calibrated on short runs (KL after each update; the lowest maximum over 5 consecutive updates
@@ -58,12 +58,9 @@ __all__ = ["Monitor", "Alert", "THRESHOLDS", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGI
 
 
 # ---------------------------------------------------------------- verdicts shared with ``ppokit doctor``
-# Each takes plain numbers (the monitor passes the updates seen so far, the doctor the whole run) and returns the
-# verdict, so the live alert and the doctor's finding for one problem are one decision with one set of thresholds.
-def _fin(xs: Sequence[float]) -> list[float]:
-    return [x for x in xs if _finite(x)]
-
-
+# Each takes plain numbers or a RunSummary (the monitor's of the updates seen so far, the doctor's of the whole run)
+# and returns the verdict, so the live alert and the doctor's finding for one problem are one decision with one set
+# of thresholds.
 def kl_level(kl: float, t: dict = THRESHOLDS) -> str | None:
     """``"alert"`` above ``kl_alert`` (trust region blown), ``"warn"`` above ``kl_warn``, else None."""
     if kl > t["kl_alert"]:
@@ -71,13 +68,50 @@ def kl_level(kl: float, t: dict = THRESHOLDS) -> str | None:
     return "warn" if kl > t["kl_warn"] else None
 
 
-def reward_signal(reward_stds: Sequence[float], returns: Sequence[float], lengths: Sequence[float],
-                  time_limit: int | None = None, t: dict = THRESHOLDS) -> tuple[str, str] | None:
+@dataclass
+class RunSummary:
+    """What the whole-run verdicts need of the updates so far, kept in O(1) per update: the monitor adds each
+    update as it comes, the doctor every row of ``metrics.csv``, and both ask the same verdict functions."""
+
+    updates: int = 0
+    reward_stds: int = 0  # updates with a finite reward std
+    reward_varied: bool = False  # some rollout's rewards were not all equal
+    finished: int = 0  # updates in which an episode finished (a finite mean return)
+    ret_min: float = math.inf
+    ret_max: float = -math.inf
+    last_return: float = math.nan
+    lengths: int = 0
+    len_min: float = math.inf
+    len_max: float = -math.inf
+    ev_max: float = math.nan  # the best explained variance so far (NaN: none measured)
+    ev_last: float = math.nan
+
+    def add(self, m: dict) -> RunSummary:
+        """Count one update's metrics ``m``; returns self."""
+        self.updates += 1
+        std, ret, length, ev = (_num(m, k) for k in (S.REWARD_STD, S.EPISODIC_RETURN, S.EPISODIC_LENGTH,
+                                                      S.EXPLAINED_VARIANCE))
+        if _finite(std):
+            self.reward_stds += 1
+            self.reward_varied |= std != 0.0
+        if _finite(ret):
+            self.finished += 1
+            self.ret_min, self.ret_max, self.last_return = min(self.ret_min, ret), max(self.ret_max, ret), ret
+        if _finite(length):
+            self.lengths += 1
+            self.len_min, self.len_max = min(self.len_min, length), max(self.len_max, length)
+        if _finite(ev):
+            self.ev_max = ev if not _finite(self.ev_max) else max(self.ev_max, ev)
+            self.ev_last = ev
+        return self
+
+
+def reward_signal(s: RunSummary, time_limit: int | None = None, t: dict = THRESHOLDS) -> tuple[str, str] | None:
     """``(cause, evidence)`` when the rewards carry no learning signal (yet), else None (also while undecided).
 
-    Looks at every update given (reward std of each rollout, mean return and length of the episodes finished in
-    it; NaN where none finished). A constant per-step reward (std 0 on every update) is a valid signal while the
-    returns vary, i.e. while episode lengths do (CartPole's +1, Acrobot's -1); it is a problem when
+    Judges every update of ``s`` (reward std of each rollout, mean return and length of the episodes finished in
+    it). A constant per-step reward (std 0 on every update) is a valid signal while the returns vary, i.e. while
+    episode lengths do (CartPole's +1, Acrobot's -1); it is a problem when
     - every finished episode returned 0: ``rewards_all_zero``;
     - every finished episode returned the same and lasted the same, in at least two updates: ``zero_reward_variance``
       (the reward cannot rank actions) -- unless every episode ran to the env's time limit: then the length is
@@ -87,20 +121,17 @@ def reward_signal(reward_stds: Sequence[float], returns: Sequence[float], length
     Needs ``reward_patience`` updates, all with reward std 0. Without a finished episode nothing is decided: a
     reward std of 0 says nothing about the reward's value.
     """
-    stds = _fin(reward_stds)
-    if len(stds) < int(t["reward_patience"]) or any(s != 0.0 for s in stds):
+    if s.reward_stds < int(t["reward_patience"]) or s.reward_varied or not s.finished:
         return None
-    rets, lens = _fin(returns), _fin(lengths)
-    if not rets:
-        return None
-    if all(r == 0.0 for r in rets):
-        return "rewards_all_zero", f"reward std = 0 on all {len(stds)} updates and every finished episode returned 0"
-    if len(rets) >= 2 and max(rets) == min(rets) and (not lens or max(lens) == min(lens)):
-        if time_limit and lens and lens[0] >= time_limit:
-            return "returns_at_time_limit", (f"reward std = 0 on all {len(stds)} updates and every episode ran to the "
-                                             f"time limit ({time_limit} steps) with return {rets[0]:.4g}")
-        return "zero_reward_variance", (f"reward std = 0 on all {len(stds)} updates and every episode returned "
-                                        f"{rets[0]:.4g}" + (f" in {lens[0]:g} steps" if lens else ""))
+    if s.ret_min == s.ret_max == 0.0:
+        return "rewards_all_zero", (f"reward std = 0 on all {s.reward_stds} updates and every finished episode "
+                                    "returned 0")
+    if s.finished >= 2 and s.ret_min == s.ret_max and (not s.lengths or s.len_min == s.len_max):
+        if time_limit and s.lengths and s.len_min >= time_limit:
+            return "returns_at_time_limit", (f"reward std = 0 on all {s.reward_stds} updates and every episode ran "
+                                             f"to the time limit ({time_limit} steps) with return {s.ret_min:.4g}")
+        return "zero_reward_variance", (f"reward std = 0 on all {s.reward_stds} updates and every episode returned "
+                                        f"{s.ret_min:.4g}" + (f" in {s.len_min:g} steps" if s.lengths else ""))
     return None
 
 
@@ -120,9 +151,9 @@ def entropy_collapse(h0: float, h: float, kind: str, action_dim: int = 1, t: dic
     return f"below {frac:.0%} of its start {h0:.4g}" if h0 > 0 and h < frac * h0 else None
 
 
-def critic_never_learned(evs: Sequence[float], t: dict = THRESHOLDS) -> bool:
+def critic_never_learned(s: RunSummary, t: dict = THRESHOLDS) -> bool:
     """Explained variance never above ``ev_min`` over at least ``ev_patience`` updates (some of them measured)."""
-    return len(evs) >= int(t["ev_patience"]) and bool(_fin(evs)) and max(_fin(evs)) <= t["ev_min"]
+    return s.updates >= int(t["ev_patience"]) and _finite(s.ev_max) and s.ev_max <= t["ev_min"]
 
 
 def nonfinite_counts(m: dict) -> dict[str, Any]:
@@ -221,6 +252,7 @@ class Monitor:
         self.monitor_kl = monitor_kl
         self.monitor_clipfrac = monitor_clipfrac
         self.history: list[dict[str, float]] = []
+        self.summary = RunSummary()  # the whole-run view the doctor's verdicts take too
         self._last_fired: dict[str, int] = {}
         self._first_entropy: float | None = None
         self._first_lr: float | None = None
@@ -240,13 +272,10 @@ class Monitor:
             return None
         return [_num(h, key) for h in self.history[-n:]]
 
-    def _all(self, key: str) -> list[float]:
-        """Every value of ``key`` seen so far (NaN where missing)."""
-        return [_num(h, key) for h in self.history]
-
     def check(self, update: int, m: dict[str, float]) -> list[Alert]:
         """Alerts for update number ``update`` with metrics ``m`` (keys as logged by the trainer)."""
         self.history.append(m)
+        self.summary.add(m)
         out: list[Alert] = []
         rules = [self._nonfinite, self._reward_signal]
         rules += [self._kl] if self.monitor_kl else []
@@ -280,8 +309,7 @@ class Monitor:
     def _reward_signal(self, out: list[Alert], update: int, m: dict) -> None:
         # Judged on every update so far, as the doctor judges the whole run: once the returns have varied, the
         # constant per-step reward has shown it carries a signal, and no later window can say otherwise.
-        verdict = reward_signal(self._all(S.REWARD_STD), self._all(S.EPISODIC_RETURN), self._all(S.EPISODIC_LENGTH),
-                                self.time_limit, self.t)
+        verdict = reward_signal(self.summary, self.time_limit, self.t)
         if verdict is None:
             return
         cause, evidence = verdict
@@ -295,7 +323,7 @@ class Monitor:
                 "signal; check the reward function, or shape the reward / explore more on a sparse task",
                 {"reward_std": 0.0, "episodic_return": 0.0}))
             return
-        ret = _fin(self._all(S.EPISODIC_RETURN))[-1]
+        ret = self.summary.last_return
         self._fire(out, update, Alert(
             "warn", "zero_reward_variance",
             f"rewards and episode returns ({ret:g}) were identical for {n} updates, every episode the same length "
@@ -358,9 +386,8 @@ class Monitor:
 
     def _critic(self, out: list[Alert], update: int, m: dict) -> None:
         t = self.t
-        evs = self._all(S.EXPLAINED_VARIANCE)
-        if critic_never_learned(evs, t):
-            last = _fin(evs)[-1]
+        if critic_never_learned(self.summary, t):
+            last = self.summary.ev_last
             self._fire(out, update, Alert("warn", "critic_not_learning",
                                           f"explained variance has never exceeded {t['ev_min']} in {len(self.history)} "
                                           f"updates (latest {last:.3g}): the critic is not learning; check "
