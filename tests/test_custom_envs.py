@@ -286,6 +286,30 @@ def test_evaluation_uses_the_runs_env_kwargs(tmp_path, capsys):
     assert "config field 'env_kwargs'" in err and "Traceback" not in err
 
 
+class NeedsSize(Corridor):
+    """A corridor whose constructor has a required argument: no env of it exists without env_kwargs."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+
+if "ppokit_test/NeedsSize-v0" not in gym.registry:
+    gym.register("ppokit_test/NeedsSize-v0", entry_point=NeedsSize, max_episode_steps=20)
+
+
+def test_the_planner_probes_a_bare_env_with_its_env_kwargs(tmp_path, capsys):
+    # --env alone means the planner's config, and the planner builds the env to probe it: with the kwargs.
+    argv = ["train", "--env", "ppokit_test/NeedsSize-v0", "--num-envs", "2", "--num-steps", "32",
+            "--total-timesteps", "64", "--quiet", "--no-tensorboard"]
+    assert main([*argv, "--env-kwargs", '{"size": 5}', "--run-dir", str(tmp_path / "a")]) == 0
+    assert PPOConfig.from_toml(tmp_path / "a" / "config.toml").env_kwargs == {"size": 5}
+    capsys.readouterr()
+    assert main([*argv, "--env-kwargs", '{"sise": 5}', "--run-dir", str(tmp_path / "b")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "config field 'env_kwargs'" in err and "sise" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("mode,env_id,kwargs,check", [
     ("sync", LAKE, {"is_slippery": False}, lambda envs: not any(_slippery(e) for e in envs.envs)),
     ("async", LAKE, {"map_name": "8x8"}, lambda envs: envs.single_observation_space.shape == (64,)),

@@ -327,3 +327,13 @@ def test_hyperparameters_are_written_to_tensorboard_once(tmp_path):
     table = texts[0].tensor_proto.string_val[0].decode()
     assert "| learning_rate | 0.00123 |" in table and "| env_id | CartPole-v1 |" in table
     assert set(events.PluginTagToContent("hparams")) >= {"_hparams_/experiment", "_hparams_/session_start_info"}
+
+
+def test_default_run_dir_names_have_no_colon_or_slash():
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import default_run_dir
+
+    for env_id in ("mymod:MyEnv-v0", "custom:MyEnv", "ALE/Pong-v5"):
+        name = default_run_dir(PPOConfig(env_id=env_id)).name
+        assert ":" not in name and "/" not in name, name
+        assert name.startswith(env_id.replace(":", "-").replace("/", "-") + "__ppo__s1__"), name

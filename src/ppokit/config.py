@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .schema import KL_STOP_FACTOR
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -86,7 +88,7 @@ class PPOConfig:
     ent_coef: float = _f(0.01, "entropy bonus coefficient c_e, in [0, 1000]", max=1e3)
     vf_coef: float = _f(0.5, "value loss coefficient c_v, in [0, 1000]", max=1e3)
     max_grad_norm: float = _f(0.5, "global gradient-norm clip, in (0, 1e9]", max=1e9)
-    target_kl: float | None = _f(None, "stop the update's epochs when approx KL > 1.5 * target_kl, in (0, 100] "
+    target_kl: float | None = _f(None, f"stop the update's epochs when approx KL > {KL_STOP_FACTOR} * target_kl, in (0, 100] "
                                  "(none: never)", max=100.0)
     init_kl_beta: float = _f(1.0, "ppo-kl: initial KL penalty coefficient beta, in (0, 1e6]", max=1e6)
     kl_target: float = _f(0.01, "ppo-kl: target KL of the adaptive penalty (beta x2 above 2x, /2 below 1/2x), "

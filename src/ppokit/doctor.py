@@ -388,17 +388,21 @@ def _rule_clipfrac_high(c: _Context) -> Finding | None:
         "lower learning_rate or update_epochs", us)
 
 
-def _entropy_kind(c: _Context, ent_f: list[float]) -> str:
-    return c.run.action_kind or ("continuous" if min(ent_f) < 0 else "discrete")
+def _entropy_series(c: _Context) -> tuple[list[float], float, str] | None:
+    """The run's finite entropies, the first one and the action kind; None with fewer than two updates."""
+    ent_f = _fin(c.run.col(S.ENTROPY))
+    if len(ent_f) < 2:
+        return None
+    return ent_f, ent_f[0], c.run.action_kind or ("continuous" if min(ent_f) < 0 else "discrete")
 
 
 def _rule_entropy_collapse(c: _Context) -> Finding | None:
     """6a. Entropy: the live ``entropy_collapse`` rule; a problem only while the return stayed flat."""
     run, n = c.run, c.n
-    ent_f = _fin(run.col(S.ENTROPY))
-    if len(ent_f) < 2:
+    series = _entropy_series(c)
+    if series is None:
         return None
-    h0, kind = ent_f[0], _entropy_kind(c, ent_f)
+    _, h0, kind = series
     collapsed = _where(run, S.ENTROPY, lambda v: entropy_collapse(h0, v, kind, run.action_dim) is not None)
     if not collapsed:
         return None
@@ -421,10 +425,10 @@ def _rule_entropy_collapse(c: _Context) -> Finding | None:
 def _rule_entropy_pinned(c: _Context) -> Finding | None:
     """6b. Entropy pinned at its start with a flat return (and the signal and the optimizer fine)."""
     run, n = c.run, c.n
-    ent_f = _fin(run.col(S.ENTROPY))
-    if len(ent_f) < 2:
+    series = _entropy_series(c)
+    if series is None:
         return None
-    h0, kind = ent_f[0], _entropy_kind(c, ent_f)
+    ent_f, h0, kind = series
     pinned = all(abs(v - h0) <= ENTROPY_PINNED * max(abs(h0), 1e-8) or (kind == "continuous" and v > h0)
                  for v in ent_f)
     if not (pinned and c.flat and not c.opt_bad and not c.signal_bad):

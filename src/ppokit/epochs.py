@@ -29,9 +29,9 @@ __all__ = ["Batch", "UpdateSettings", "MinibatchResult", "UpdateStep", "SyncHook
 # The diagnostics every step reports per minibatch; the update returns their means over the applied minibatches.
 STAT_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "approx_kl_k1", "clipfrac", "grad_norm")
 
-# Early stopping fires when a minibatch's approx KL exceeds this multiple of target_kl (SB3's margin): it lets the
-# KL fluctuate around its target without stopping every update.
-KL_STOP_FACTOR = 1.5
+# Early stopping fires when a minibatch's approx KL exceeds KL_STOP_FACTOR x target_kl (SB3's margin): it lets the
+# KL fluctuate around its target without stopping every update. Defined once, with the lessons' thresholds.
+from .schema import KL_STOP_FACTOR  # noqa: E402
 
 
 @dataclass

@@ -92,7 +92,7 @@ def known_settings(env_id: str) -> tuple[str, dict[str, Any], str | None] | None
 
 
 def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds: float = 5.0,
-              seed: int = 0) -> EnvProbe:
+              seed: int = 0, env_kwargs: dict[str, Any] | None = None) -> EnvProbe:
     """Spaces and typical episode length from a few random-action episodes, bounded in steps and seconds.
 
     Raises ``ValueError`` for an unknown id; an installed-but-unbuildable env (missing extra) also raises.
@@ -100,14 +100,16 @@ def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds
     import gymnasium as gym
     import numpy as np
 
-    from .envs import check_env_id, check_spaces
+    from .envs import check_env_id, check_spaces, make_eval_env
 
     from .envs.errors import env_failure
 
     check_env_id(env_id)
     probe = EnvProbe(env_id)
     try:
-        env = gym.make(env_id)
+        env = make_eval_env(env_id, env_kwargs=env_kwargs)  # the env the run will train on, kwargs and all
+    except ConfigError:
+        raise  # the constructor refused env_kwargs: a config error naming the field
     except Exception as exc:  # noqa: BLE001 - an env that cannot be built: one line, not its traceback
         raise env_failure(env_id, "make()", 0, exc) from exc
     try:
@@ -341,9 +343,14 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
     notes: list[str] = []
     atari = known is not None and known[0].startswith("CleanRL ppo_atari")
     pr = EnvProbe(env_id)
+    # The probe builds the env the run will train on: with the env_kwargs given (a required one has no default).
+    given = {k.replace("-", "_"): v for k, v in (overrides or {}).items()}
+    env_kwargs = PPOConfig.from_dict({"env_kwargs": given.get("env_kwargs", {})}).env_kwargs
     if probe:
         try:
-            pr = probe_env(env_id)
+            pr = probe_env(env_id, env_kwargs=env_kwargs)
+        except ConfigError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a known env whose extra is not installed still gets its values
             if known is None:
                 raise

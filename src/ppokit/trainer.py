@@ -61,7 +61,9 @@ class Run:
 def default_run_dir(config: PPOConfig) -> Path:
     """``runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>``, unique within the second."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path("runs") / f"{config.env_id.replace('/', '-')}__{config.algo}__s{config.seed}__{stamp}"
+    # '/' (namespaced ids) and ':' ("module:Env", "custom:MyEnv") make no good directory names.
+    env = config.env_id.replace("/", "-").replace(":", "-")
+    base = Path("runs") / f"{env}__{config.algo}__s{config.seed}__{stamp}"
     path, i = base, 1
     while path.exists():
         path, i = Path(f"{base}-{i}"), i + 1
@@ -246,10 +248,10 @@ class Trainer:
                                         start_step, start_time, kl_after)
                 if cfg.eval_every:
                     # Evaluation gate: a cheap deterministic evaluation that ends the run once it is solved.
-                    metrics["charts/eval_return"] = float("nan")
+                    metrics[S.EVAL_RETURN] = float("nan")
                     if self.update_idx % cfg.eval_every == 0:
-                        metrics["charts/eval_return"] = self.evaluate_gate()
-                        self._solved = metrics["charts/eval_return"] >= cfg.eval_threshold
+                        metrics[S.EVAL_RETURN] = self.evaluate_gate()
+                        self._solved = metrics[S.EVAL_RETURN] >= cfg.eval_threshold
                 self.metrics.append(metrics)
                 self.logger.log(self.global_step, metrics)
                 for alert in self.monitor.check(self.update_idx, metrics):
@@ -589,7 +591,7 @@ class Trainer:
 
     def _finish(self, wall: float, start_step: int) -> None:
         last = self.metrics[-10:]
-        returns = [m["charts/episodic_return"] for m in last if not math.isnan(m["charts/episodic_return"])]
+        returns = [m[S.EPISODIC_RETURN] for m in last if not math.isnan(m[S.EPISODIC_RETURN])]
         lines = {
             "run dir": str(self.run_dir),
             "env steps": f"{self.global_step:,}",
@@ -604,7 +606,7 @@ class Trainer:
         if self._stop_requested:
             lines["stopped"] = f"interrupted; resume with: ppokit train --resume {self.run_dir}"
         if self._solved:
-            lines["solved"] = (f"evaluation return {self.metrics[-1]['charts/eval_return']:.1f} >= "
+            lines["solved"] = (f"evaluation return {self.metrics[-1][S.EVAL_RETURN]:.1f} >= "
                                f"{self.config.eval_threshold} at update {self.update_idx}; stopped early")
         try:
             if self.metrics:
