@@ -186,7 +186,7 @@ def test_truncated_steps_bootstrap_from_the_final_observation_not_the_reset_one(
         v_final = trainer.policy.value(torch.tensor([[1.0]])).item()
         v_reset = trainer.policy.value(torch.tensor([[0.0]])).item()
     assert v_final != pytest.approx(v_reset)
-    last = trainer.policy.value(trainer._last_obs)
+    last = trainer.policy.value(trainer.collector.last_obs)
     nxt = buf.next_values(last)
     assert torch.allclose(nxt[buf.truncated], torch.full((int(buf.truncated.sum()),), v_final), atol=1e-6)
     # Elsewhere next_values[t] is V(s_{t+1}).

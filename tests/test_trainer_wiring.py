@@ -175,8 +175,8 @@ def test_evaluation_gate_acts_on_normalized_observations(tmp_path, fused):
             torch.full((1,), 4.0, dtype=torch.float64), torch.tensor(100.0, dtype=torch.float64)
         inputs: list[torch.Tensor] = []
         if fused:
-            real_head = trainer.optimizer.kernel.actor_head
-            trainer.optimizer.kernel.actor_head = lambda obs: (inputs.append(obs.clone()), real_head(obs))[1]
+            real_head = trainer.acting.actor_head
+            trainer.acting.actor_head = lambda obs: (inputs.append(obs.clone()), real_head(obs))[1]
         else:
             trainer.policy.actor.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].clone()))
         ret = trainer.evaluate_gate()

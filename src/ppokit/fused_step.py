@@ -32,8 +32,8 @@ FusedMinibatch = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 class FusedKernel(MLPLossKernel):
     """What ``FlatAdam.kernel`` is: the hand-derived loss and gradient (``MLPLossKernel``) plus, under ``act``,
-    ``actor_head`` and ``invalidate``, the acting kernel (``acting.ActingKernel``) on the same parameters. The
-    trainer still reaches acting through the optimizer; the acting kernel itself knows nothing of the update."""
+    ``actor_head`` and ``invalidate``, an acting kernel (``acting.ActingKernel``) on the same parameters. The
+    trainer builds its own ``ActingKernel`` for acting; the acting kernel itself knows nothing of the update."""
 
     def __init__(self, policy: ActorCritic, optimizer: FlatAdam):
         super().__init__(policy, optimizer)

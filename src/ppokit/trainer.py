@@ -2,7 +2,8 @@
 
 ``train(config)`` is the public entry point. ``Trainer`` holds the train state (policy, optimizer, normalizers,
 environments, RNG, step counters) so that it can be checkpointed and resumed; its ``run`` method reads top to
-bottom as the lesson's algorithm.
+bottom as the lesson's algorithm. The rollout itself (env stepping, autoreset, NaN/Inf, episode statistics, the
+truncation bootstrap) is ``collector.Collector``'s; the epochs are ``epochs.ppo_epochs``'s.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 
 from . import checkpoint as ckpt
 from .advantages import gae
-from .buffer import RolloutBuffer
-from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, checked_reset, env_failure
+from .acting import ActingKernel
+from .collector import Collector, evaluate_first_episodes, make_eval_envs, make_train_envs
+from .envs.errors import EnvError, env_failure
 from .config import ConfigError, PPOConfig
 from . import schema as S
 from .monitor import Monitor, episode_time_limit
@@ -85,8 +87,7 @@ class Trainer:
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
                  env: Any = None):
-        from .envs import check_env_id, check_spaces, make_vec_env, resolve_env
-        from .envs.factory import autoreset_mode
+        from .envs import check_env_id, check_spaces, resolve_env
         from .logger import MetricsLogger
 
         # env: None (config.env_id), a registered id, a zero-arg factory or a gymnasium.Env (see train()).
@@ -101,21 +102,10 @@ class Trainer:
         seed_everything(cfg.seed)
 
         # Environments and the policy pi_theta.
-        try:
-            self.envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode, cfg.env_kwargs,
-                                     env_fn=self.custom_env)
-            if self.custom_env is not None:
-                cfg.env_id = self.custom_env.name  # the record now that the env exists (spec id or custom:Class)
-        except (ValueError, EnvError):
-            raise  # an unknown id or unsupported spaces: already one clear line
-        except Exception as exc:  # noqa: BLE001 - an env whose constructor raises: one line, not its traceback
-            raise env_failure(cfg.env_id, "make()", 0, exc) from exc
+        self.envs = make_train_envs(cfg, self.custom_env)
         self.action_kind = check_spaces(self.envs)
-        import gymnasium as gym
-
-        self.same_step = autoreset_mode(self.envs) == gym.vector.AutoresetMode.SAME_STEP
-        obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
-        self.policy = build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation).to(self.device)
+        self.policy = build_policy(self.envs.single_observation_space, self.envs.single_action_space,
+                                   cfg.hidden_sizes, cfg.activation).to(self.device)
         self.obs_dim = self.policy.obs_dim
         try:  # validate() assumed one float per observation; now the real size is known
             check_memory(cfg, self.obs_dim)
@@ -129,31 +119,27 @@ class Trainer:
         else:
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5,
                                               **_adam_kwargs(self.device))
-        if self.action_kind == "continuous":
-            self.action_low = np.asarray(act_space.low, dtype=np.float32)
-            self.action_high = np.asarray(act_space.high, dtype=np.float32)
-        action_shape = () if self.policy.kind == "discrete" else (len(self.policy.action_dims),)
-        if self.policy.kind == "continuous":
-            action_shape = (self.policy.action_dims[0],)
-        action_dtype = torch.float32 if self.policy.kind == "continuous" else torch.long
-        self.buffer = RolloutBuffer.allocate(cfg.num_steps, cfg.num_envs, self.obs_dim, action_shape, action_dtype,
-                                             self.device)
-
         # Normalization statistics (saved in checkpoints, frozen at evaluation).
         self.obs_norm = ObsNormalizer((self.obs_dim,), device=self.device) if cfg.normalize_obs else None
         self.reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma, device=self.device) if cfg.normalize_reward else None
 
-        # Counters and per-env episode bookkeeping (raw, unscaled rewards).
+        # Counters (the per-env episode bookkeeping is the collector's).
         self.global_step = 0
         self.update_idx = 0
         self.kl_beta = cfg.init_kl_beta
-        self.ep_return = np.zeros(cfg.num_envs, dtype=np.float64)
-        self.ep_length = np.zeros(cfg.num_envs, dtype=np.int64)
-        self.prev_done = np.zeros(cfg.num_envs, dtype=bool)
         self.monitor = Monitor(action_kind=self.action_kind, action_dim=self.policy.action_dims[0],
                                time_limit=episode_time_limit(cfg.env_id, cfg.env_kwargs),
                                monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
         self.perf = dict.fromkeys(PERF_PHASES, 0.0)
+        # Acting (rollouts, the evaluation gate): the acting kernel where the fused update applies (the same
+        # network on cached weights, the same random draws), else the eager policy.
+        self.acting = ActingKernel(self.policy, self.optimizer) if self.fused else None
+        # The rollout: env stepping, both autoreset modes, NaN/Inf, episode statistics, truncation bootstrap;
+        # it fills its buffer (``[T, N, ...]`` tensors on the device) with pi_old's steps.
+        self.collector = Collector(self.envs, self.policy, self.acting or self.policy, num_steps=cfg.num_steps,
+                                   device=self.device, env_id=cfg.env_id, obs_norm=self.obs_norm,
+                                   reward_scaler=self.reward_scaler, perf=self.perf, fail=self._rollout_failed)
+        self.buffer, self.same_step = self.collector.buffer, self.collector.same_step
         self._stop_requested = False
         self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
         self._eval_envs = None
@@ -176,7 +162,7 @@ class Trainer:
                     "This run was started with --unsafe; it breaks these guard rails:\n"
                     + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
 
-            self.next_obs_raw = checked_reset(self.envs, cfg.env_id, cfg.num_envs, cfg.seed)
+            self.collector.reset(cfg.seed)
             self.envs.action_space.seed(cfg.seed)
             if resume_state is not None:
                 self._load_state(resume_state)
@@ -284,144 +270,23 @@ class Trainer:
                    list(self.logger.alerts), self._stop_requested)
 
     # ================================================================== 1. rollout
-    def _normalize_obs(self, obs: torch.Tensor, update: bool) -> torch.Tensor:
-        if self.obs_norm is None:
-            return obs
-        if update:
-            self.obs_norm.update(obs)
-        return self.obs_norm.normalize(obs)
-
     def collect_rollout(self) -> tuple[list[tuple[float, int]], int]:
-        """Fill the buffer with ``num_steps`` steps of every env; returns (finished episodes, non-finite steps)."""
-        cfg, buf, dev = self.config, self.buffer, self.device
-        t_start = time.perf_counter()
-        ep_returns: list[np.ndarray] = []
-        ep_lengths: list[np.ndarray] = []
-        nonfinite = 0
-        N = cfg.num_envs
-        obs_space = self.envs.single_observation_space
-        obs_shape = (N, *obs_space.shape)
-        rollout_start = self.global_step  # the step count the last update's state belongs to
-        act = self.optimizer.kernel.act if self.fused else self.policy.act
-        obs = self._normalize_obs(torch.as_tensor(self.next_obs_raw, device=dev), update=False)
-        buf.has_final.zero_()
-        t_inference = 0.0
-        # Per-step scalars the update needs only after the rollout are gathered on the host and moved to the
-        # device in one transfer at the end: rewards, terminated, truncated, valid.
-        host = np.zeros((4, cfg.num_steps, N), dtype=np.float32)
-        # Per-step views made once (a tensor __setitem__ per field and step costs more than the copy itself).
-        step_views = list(zip(buf.obs.unbind(0), buf.actions.unbind(0), buf.logp.unbind(0), buf.values.unbind(0)))
-        for t in range(cfg.num_steps):
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                actions, logp, values = act(obs)
-            for dest, src in zip(step_views[t], (obs, actions, logp, values)):
-                dest.copy_(src)
-            env_actions = actions.cpu().numpy()
-            if self.action_kind == "continuous":
-                # The log-prob is of the unclipped sample; only the env sees the clipped action.
-                env_actions = np.clip(env_actions, self.action_low, self.action_high)
-            t1 = time.perf_counter()
-            t_inference += t1 - t0
-            try:
-                next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
-            except Exception as exc:  # noqa: BLE001 - any env failure ends the run with one clear line
-                raise self._env_failed("step()", rollout_start, exc) from exc
-            # The hot path only tests shape and dtype kind of arrays converted anyway; the checks that say what
-            # is wrong (a str/object observation, another shape, an array reward) run only when that test fails.
-            if not (type(next_obs) is np.ndarray and next_obs.shape == obs_shape and next_obs.dtype.kind in "biuf"):
-                next_obs = self._checked(check_obs_batch, next_obs, N, obs_space, cfg.env_id, "step()",
-                                         self.global_step, rollout_start=rollout_start)
-            if not (batch_ok(reward, N) and batch_ok(terminated, N) and batch_ok(truncated, N)):
-                reward, terminated, truncated = self._checked(check_step_batch, reward, terminated, truncated, N,
-                                                              cfg.env_id, self.global_step,
-                                                              rollout_start=rollout_start)
-            self.global_step += cfg.num_envs
-
-            next_obs = np.asarray(next_obs, dtype=np.float32).reshape(cfg.num_envs, -1)
-            reward = np.asarray(reward, dtype=np.float64)
-            terminated = np.asarray(terminated, dtype=bool)
-            truncated = np.asarray(truncated, dtype=bool)
-            # NEXT_STEP autoreset: a step right after an episode end only resets that env; it is no transition.
-            valid = ~self.prev_done if not self.same_step else np.ones(cfg.num_envs, dtype=bool)
-            bad = ~np.isfinite(next_obs).all(1) | ~np.isfinite(reward)
-            if bad.any():
-                # NaN/Inf from the env is detected and never trained on.
-                nonfinite += int(bad.sum())
-                next_obs = np.where(np.isfinite(next_obs), next_obs, 0.0).astype(np.float32)
-                reward = np.where(np.isfinite(reward), reward, 0.0)
-                valid = valid & ~bad
-            done = terminated | truncated
-
-            # Episode statistics on raw rewards (vectorized over envs: no per-env Python loop).
-            self.ep_return += np.where(valid, reward, 0.0)
-            self.ep_length += valid
-            ended = done & valid
-            if ended.any():
-                ep_returns.append(self.ep_return[ended])
-                ep_lengths.append(self.ep_length[ended])
-            self.ep_return[done] = 0.0
-            self.ep_length[done] = 0
-            self.prev_done = done
-
-            host[0, t], host[1, t], host[2, t], host[3, t] = reward, terminated, truncated, valid
-            if self.reward_scaler is not None:
-                # The running return is sequential in time, so scaled rewards are written step by step.
-                buf.rewards[t] = self.reward_scaler.scale(torch.as_tensor(reward, dtype=torch.float32, device=dev),
-                                                          torch.as_tensor(done, device=dev))
-
-            # One host-to-device transfer per step: the next observation, which the policy needs to act.
-            next_obs_t = torch.as_tensor(next_obs, device=dev)
-            if self.obs_norm is not None:
-                self.obs_norm.update(next_obs_t[torch.as_tensor(~bad, device=dev)] if bad.any() else next_obs_t)
-            obs = self._normalize_obs(next_obs_t, update=False)
-            if self.same_step and truncated.any():
-                # SAME_STEP autoreset: next_obs is already the new episode's; bootstrap from the true final obs.
-                idx = np.flatnonzero(truncated)
-                final_obs = info["final_obs"]
-                try:
-                    if isinstance(final_obs, np.ndarray) and final_obs.dtype != object:
-                        final = final_obs[idx].astype(np.float32).reshape(len(idx), -1)  # a batched env's array
-                    else:
-                        final = np.stack([np.asarray(final_obs[i], dtype=np.float32).reshape(-1) for i in idx])
-                    if final.shape[1] != self.obs_dim:
-                        raise ValueError(f"final observations of {final.shape[1]} values, expected {self.obs_dim}")
-                except Exception as exc:  # noqa: BLE001
-                    raise self._env_failed("step()", rollout_start, exc,
-                                           detail=f"info['final_obs'] of a truncated episode is unusable: {exc}")
-                final = np.where(np.isfinite(final), final, 0.0).astype(np.float32)
-                final_t = self._normalize_obs(torch.as_tensor(final, device=dev), update=False)
-                with torch.inference_mode():
-                    fv = self.policy.value(final_t)
-                idx_t = torch.as_tensor(idx, device=dev)
-                buf.final_values[t, idx_t] = fv
-                buf.has_final[t, idx_t] = True
-            self.next_obs_raw = next_obs
-        if nonfinite and not host[3].any():
-            # Every step was NaN/Inf (a None reward becomes NaN in a vector env): nothing to train on.
-            raise self._env_failed("step()", rollout_start, detail=(
-                f"every step of this rollout had a NaN/Inf/None reward or observation ({nonfinite} steps); "
-                "nothing to train on"))
-        host_t = torch.as_tensor(host, device=dev)
-        if self.reward_scaler is None:
-            buf.rewards.copy_(host_t[0])
-        buf.terminated.copy_(host_t[1])
-        buf.truncated.copy_(host_t[2])
-        buf.valid.copy_(host_t[3])
-        self._last_obs = obs
-        episodes = list(zip(np.concatenate(ep_returns).tolist(), np.concatenate(ep_lengths).tolist())) \
-            if ep_returns else []
-        # Every second of the rollout is attributed: acting to "inference", stepping and result handling to "env".
-        self.perf["inference"] += t_inference
-        self.perf["env"] += time.perf_counter() - t_start - t_inference
+        """Fill the buffer with ``num_steps`` steps of every env (``collector.Collector``); returns (finished
+        episodes, non-finite steps)."""
+        episodes, nonfinite = self.collector.collect(self.global_step)
+        self.global_step += self.config.num_steps * self.config.num_envs
         return episodes, nonfinite
 
-    def _checked(self, check, *args, rollout_start: int):
-        """``check(*args)`` (a function of ``envs.errors``), turning its EnvError into the end of the run."""
-        try:
-            return check(*args)
-        except EnvError as exc:
-            raise self._env_failed("step()", rollout_start, exc) from None
+    @property
+    def next_obs_raw(self) -> np.ndarray:
+        """The raw observation the next rollout starts from (the collector's)."""
+        return self.collector.next_obs_raw
+
+    def _rollout_failed(self, step: int, rollout_start: int, exc: BaseException | None = None,
+                        detail: str | None = None) -> EnvError:
+        """The collector's ``fail``: an env failure at ``step`` of the rollout that began at ``rollout_start``."""
+        self.global_step = step
+        return self._env_failed("step()", rollout_start, exc, detail)
 
     def _env_failed(self, phase: str, rollout_start: int, exc: BaseException | None = None,
                     detail: str | None = None, unsaved: bool | None = None, envs: Any = None) -> EnvError:
@@ -464,55 +329,26 @@ class Trainer:
 
     def evaluate_gate(self) -> float:
         """Mean return of one deterministic episode in each of ``eval_episodes`` envs of a separate vector env."""
-        from .envs import make_vec_env
-        from .envs.factory import _get_spec
-
-        cfg, n = self.config, self.config.eval_episodes
-        spec = _get_spec(cfg.env_id) if self.custom_env is None else None
+        cfg = self.config
         if self._eval_envs is None:
-            # Batched (native) where the env has one: an evaluation then costs about as much as a rollout step.
-            mode = "native" if spec is not None and spec.vector_entry_point is not None else "sync"
-            self._eval_envs = make_vec_env(cfg.env_id, n, None, mode, cfg.env_kwargs, env_fn=self.custom_env)
-        actor = self.optimizer.kernel.actor_head if self.fused else self.policy.actor  # no critic, no log-prob
-        eval_space = self._eval_envs.single_observation_space
+            self._eval_envs, self._eval_max_steps = make_eval_envs(cfg, self.custom_env)
+        actor = self.acting.actor_head if self.fused else self.policy.actor  # no critic, no log-prob
 
         def failed(phase: str, exc: BaseException) -> EnvError:
             # The update just made is not saved yet (step 5 of the loop comes after the gate).
             return self._env_failed(phase, self.global_step, exc, unsaved=True, envs=self._eval_envs)
 
-        try:
-            obs, _ = self._eval_envs.reset(seed=cfg.seed + 7919 * (self.update_idx + 1))
-            obs = check_obs_batch(obs, n, eval_space, cfg.env_id, "evaluation reset()", self.global_step)
-        except Exception as exc:  # noqa: BLE001
-            raise failed("evaluation reset()", exc) from exc
-        total, running = np.zeros(n), np.ones(n, dtype=bool)
-        for _ in range((spec.max_episode_steps if spec is not None else None) or 100_000):
-            obs_t = torch.as_tensor(obs, device=self.device)
-            with torch.inference_mode():
-                actions = self.policy.sample(actor(self._normalize_obs(obs_t, update=False)), deterministic=True)
-            actions = actions.cpu().numpy()
-            if self.action_kind == "continuous":
-                actions = np.clip(actions, self.action_low, self.action_high)
-            try:
-                obs, reward, terminated, truncated, _ = self._eval_envs.step(actions)
-                obs = check_obs_batch(obs, n, eval_space, cfg.env_id, "evaluation step()", self.global_step)
-                reward, terminated, truncated = check_step_batch(reward, terminated, truncated, n, cfg.env_id,
-                                                                 self.global_step, "evaluation step()")
-            except Exception as exc:  # noqa: BLE001
-                raise failed("evaluation step()", exc) from exc
-            # Only each env's first episode counts; whatever follows an autoreset is ignored.
-            total += np.where(running, np.asarray(reward, dtype=np.float64), 0.0)
-            running &= ~(np.asarray(terminated, dtype=bool) | np.asarray(truncated, dtype=bool))
-            if not running.any():
-                break
-        return float(total.mean())
+        return evaluate_first_episodes(self._eval_envs, self.policy, actor, self.collector.normalize,
+                                       seed=cfg.seed + 7919 * (self.update_idx + 1), max_steps=self._eval_max_steps,
+                                       env_id=cfg.env_id, global_step=self.global_step,
+                                       action_bounds=self.collector.action_bounds, fail=failed)
 
     # ================================================================== 2. advantages
     def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:
         """GAE over the rollout, flattened to the batch of valid steps."""
         cfg, buf = self.config, self.buffer
         with torch.inference_mode():
-            last_values = self.policy.value(self._last_obs)
+            last_values = self.policy.value(self.collector.last_obs)
         next_values = buf.next_values(last_values)
         advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,
                                   cfg.gamma, cfg.gae_lambda)
@@ -675,12 +511,7 @@ class Trainer:
             "update": self.update_idx,
             "kl_beta": self.kl_beta,
             "perf": dict(self.perf),
-            "loop": {
-                "next_obs_raw": torch.from_numpy(self.next_obs_raw.copy()),
-                "ep_return": torch.from_numpy(self.ep_return.copy()),
-                "ep_length": torch.from_numpy(self.ep_length.copy()),
-                "prev_done": torch.from_numpy(self.prev_done.copy()),
-            },
+            "loop": self.collector.loop_state(),  # next_obs_raw, ep_return, ep_length, prev_done
             "env_state": capture_env_state(self.envs),
             # A custom env (factory or instance) cannot be rebuilt from its record: resume and eval need it again.
             "custom_env": self.custom_env.record() if self.custom_env is not None else None,
@@ -723,10 +554,7 @@ class Trainer:
             self.perf.update(state.get("perf", {}))
             loop = state["loop"]
             if restore_env_state(self.envs, state.get("env_state")):
-                self.next_obs_raw = loop["next_obs_raw"].numpy().copy()
-                self.ep_return = loop["ep_return"].numpy().copy()
-                self.ep_length = loop["ep_length"].numpy().copy()
-                self.prev_done = loop["prev_done"].numpy().copy()
+                self.collector.load_loop_state(loop)
             ckpt.set_rng_state(state["rng"])
         except KeyError as exc:
             raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no {exc.args[0]!r} entry") from exc

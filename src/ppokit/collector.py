@@ -1,0 +1,299 @@
+"""Step 1 of the PPO loop: collect one rollout of ``num_steps`` steps of every env with pi_old into the buffer.
+
+``Collector`` owns the vector env's stepping and what the trainer must carry from one rollout to the next (the
+next observation, the per-env episode bookkeeping on raw rewards, the previous step's dones); it knows nothing of
+the update, the logger or checkpoints. What it handles:
+
+* both Gymnasium autoreset modes: under NEXT_STEP the step after an episode end only resets that env and is no
+  transition (``valid`` False); under SAME_STEP a truncated episode's value is bootstrapped from
+  ``info["final_obs"]``, since the observation returned is already the next episode's;
+* NaN/Inf from the env: counted, zeroed, kept out of the statistics and never trained on;
+* the env output checks of ``envs.errors``, run in full only when a cheap shape/dtype test fails;
+* every second of the rollout booked to ``perf``: acting to "inference", stepping and result handling to "env".
+
+An env failure ends the run: ``fail(step, rollout_start, exc, detail)`` (the trainer's, which saves the learner
+state first) builds the ``EnvError`` that is raised.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .buffer import RolloutBuffer
+from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, checked_reset, env_failure
+from .normalize import ObsNormalizer, RewardScaler
+
+__all__ = ["Collector", "Episodes", "allocate_buffer", "evaluate_first_episodes", "make_eval_envs",
+           "make_train_envs"]
+
+Episodes = list[tuple[float, int]]  # (raw return, length) of each episode finished in the rollout
+
+
+class Collector:
+    """Rollouts of ``envs`` into ``buffer``, acting with ``acting.act`` (the policy, or its ``ActingKernel``).
+
+    ``acting.act`` and ``policy.value`` are looked up at each use, so a wrapped or replaced one is seen.
+    ``perf`` is the trainer's timer dict (updated in place). The loop state (``next_obs_raw``, ``ep_return``,
+    ``ep_length``, ``prev_done``) is what a checkpoint holds (``loop_state`` / ``load_loop_state``).
+    """
+
+    def __init__(self, envs: Any, policy: Any, acting: Any, *, num_steps: int, device: torch.device, env_id: str,
+                 obs_norm: ObsNormalizer | None, reward_scaler: RewardScaler | None, perf: dict[str, float],
+                 fail: Callable[..., EnvError]):
+        import gymnasium as gym
+
+        from .envs.factory import autoreset_mode
+
+        self.envs, self.policy, self.acting, self.env_id = envs, policy, acting, env_id
+        self.obs_norm, self.reward_scaler, self.perf, self.fail = obs_norm, reward_scaler, perf, fail
+        self.num_steps, self.num_envs, self.device = num_steps, envs.num_envs, device
+        self.obs_dim = policy.obs_dim
+        # Gymnasium's autoreset mode decides which steps are transitions and where a truncation bootstraps from.
+        self.same_step = autoreset_mode(envs) == gym.vector.AutoresetMode.SAME_STEP
+        self.action_bounds: tuple[np.ndarray, np.ndarray] | None = None  # (low, high) of a Box action space
+        if policy.kind == "continuous":
+            space = envs.single_action_space
+            self.action_bounds = (np.asarray(space.low, dtype=np.float32), np.asarray(space.high, dtype=np.float32))
+        self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device)
+        N = self.num_envs
+        self.next_obs_raw: np.ndarray | None = None  # [N, obs_dim] float32 (or as reset returned it)
+        self.ep_return = np.zeros(N, dtype=np.float64)  # raw, unscaled rewards
+        self.ep_length = np.zeros(N, dtype=np.int64)
+        self.prev_done = np.zeros(N, dtype=bool)
+        self.last_obs: torch.Tensor | None = None  # [N, obs_dim] the normalized obs after the rollout (GAE's bootstrap)
+
+    # ------------------------------------------------------------------ loop state
+    def reset(self, seed: int) -> None:
+        """Reset every env (seeded) and check what it returned."""
+        self.next_obs_raw = checked_reset(self.envs, self.env_id, self.num_envs, seed)
+
+    def loop_state(self) -> dict[str, torch.Tensor]:
+        """The state carried between rollouts, as a checkpoint's ``loop`` entry (copies)."""
+        return {
+            "next_obs_raw": torch.from_numpy(self.next_obs_raw.copy()),
+            "ep_return": torch.from_numpy(self.ep_return.copy()),
+            "ep_length": torch.from_numpy(self.ep_length.copy()),
+            "prev_done": torch.from_numpy(self.prev_done.copy()),
+        }
+
+    def load_loop_state(self, loop: dict[str, torch.Tensor]) -> None:
+        """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes)."""
+        self.next_obs_raw = loop["next_obs_raw"].numpy().copy()
+        self.ep_return = loop["ep_return"].numpy().copy()
+        self.ep_length = loop["ep_length"].numpy().copy()
+        self.prev_done = loop["prev_done"].numpy().copy()
+
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
+        """``obs`` as the policy sees it (the running observation statistics, not updated here)."""
+        return obs if self.obs_norm is None else self.obs_norm.normalize(obs)
+
+    # ------------------------------------------------------------------ one rollout
+    def collect(self, global_step: int) -> tuple[Episodes, int]:
+        """Fill the buffer with ``num_steps`` steps of every env, starting at ``global_step``; returns (finished
+        episodes, non-finite steps). The caller advances its step count by ``num_steps * num_envs``."""
+        buf, dev, N, env_id = self.buffer, self.device, self.num_envs, self.env_id
+        t_start = time.perf_counter()
+        ep_returns: list[np.ndarray] = []
+        ep_lengths: list[np.ndarray] = []
+        nonfinite = 0
+        obs_space = self.envs.single_observation_space
+        obs_shape = (N, *obs_space.shape)
+        rollout_start = step = global_step  # the step count the last update's state belongs to
+        act = self.acting.act
+        obs = self.normalize(torch.as_tensor(self.next_obs_raw, device=dev))
+        buf.has_final.zero_()
+        t_inference = 0.0
+        # Per-step scalars the update needs only after the rollout are gathered on the host and moved to the
+        # device in one transfer at the end: rewards, terminated, truncated, valid.
+        host = np.zeros((4, self.num_steps, N), dtype=np.float32)
+        # Per-step views made once (a tensor __setitem__ per field and step costs more than the copy itself).
+        step_views = list(zip(buf.obs.unbind(0), buf.actions.unbind(0), buf.logp.unbind(0), buf.values.unbind(0)))
+        for t in range(self.num_steps):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                actions, logp, values = act(obs)
+            for dest, src in zip(step_views[t], (obs, actions, logp, values)):
+                dest.copy_(src)
+            env_actions = actions.cpu().numpy()
+            if self.action_bounds is not None:
+                # The log-prob is of the unclipped sample; only the env sees the clipped action.
+                env_actions = np.clip(env_actions, *self.action_bounds)
+            t1 = time.perf_counter()
+            t_inference += t1 - t0
+            try:
+                next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
+            except Exception as exc:  # noqa: BLE001 - any env failure ends the run with one clear line
+                raise self.fail(step, rollout_start, exc) from exc
+            # The hot path only tests shape and dtype kind of arrays converted anyway; the checks that say what
+            # is wrong (a str/object observation, another shape, an array reward) run only when that test fails.
+            try:
+                if not (type(next_obs) is np.ndarray and next_obs.shape == obs_shape
+                        and next_obs.dtype.kind in "biuf"):
+                    next_obs = check_obs_batch(next_obs, N, obs_space, env_id, "step()", step)
+                if not (batch_ok(reward, N) and batch_ok(terminated, N) and batch_ok(truncated, N)):
+                    reward, terminated, truncated = check_step_batch(reward, terminated, truncated, N, env_id, step)
+            except EnvError as exc:
+                raise self.fail(step, rollout_start, exc) from None
+            step += N
+
+            next_obs = np.asarray(next_obs, dtype=np.float32).reshape(N, -1)
+            reward = np.asarray(reward, dtype=np.float64)
+            terminated = np.asarray(terminated, dtype=bool)
+            truncated = np.asarray(truncated, dtype=bool)
+            # NEXT_STEP autoreset: a step right after an episode end only resets that env; it is no transition.
+            valid = ~self.prev_done if not self.same_step else np.ones(N, dtype=bool)
+            bad = ~np.isfinite(next_obs).all(1) | ~np.isfinite(reward)
+            if bad.any():
+                # NaN/Inf from the env is detected and never trained on.
+                nonfinite += int(bad.sum())
+                next_obs = np.where(np.isfinite(next_obs), next_obs, 0.0).astype(np.float32)
+                reward = np.where(np.isfinite(reward), reward, 0.0)
+                valid = valid & ~bad
+            done = terminated | truncated
+
+            # Episode statistics on raw rewards (vectorized over envs: no per-env Python loop).
+            self.ep_return += np.where(valid, reward, 0.0)
+            self.ep_length += valid
+            ended = done & valid
+            if ended.any():
+                ep_returns.append(self.ep_return[ended])
+                ep_lengths.append(self.ep_length[ended])
+            self.ep_return[done] = 0.0
+            self.ep_length[done] = 0
+            self.prev_done = done
+
+            host[0, t], host[1, t], host[2, t], host[3, t] = reward, terminated, truncated, valid
+            if self.reward_scaler is not None:
+                # The running return is sequential in time, so scaled rewards are written step by step.
+                buf.rewards[t] = self.reward_scaler.scale(torch.as_tensor(reward, dtype=torch.float32, device=dev),
+                                                          torch.as_tensor(done, device=dev))
+
+            # One host-to-device transfer per step: the next observation, which the policy needs to act.
+            next_obs_t = torch.as_tensor(next_obs, device=dev)
+            if self.obs_norm is not None:
+                self.obs_norm.update(next_obs_t[torch.as_tensor(~bad, device=dev)] if bad.any() else next_obs_t)
+            obs = self.normalize(next_obs_t)
+            if self.same_step and truncated.any():
+                self._bootstrap_truncated(t, truncated, info, step, rollout_start)
+            self.next_obs_raw = next_obs
+        if nonfinite and not host[3].any():
+            # Every step was NaN/Inf (a None reward becomes NaN in a vector env): nothing to train on.
+            raise self.fail(step, rollout_start, detail=(
+                f"every step of this rollout had a NaN/Inf/None reward or observation ({nonfinite} steps); "
+                "nothing to train on"))
+        host_t = torch.as_tensor(host, device=dev)
+        if self.reward_scaler is None:
+            buf.rewards.copy_(host_t[0])
+        buf.terminated.copy_(host_t[1])
+        buf.truncated.copy_(host_t[2])
+        buf.valid.copy_(host_t[3])
+        self.last_obs = obs
+        episodes = list(zip(np.concatenate(ep_returns).tolist(), np.concatenate(ep_lengths).tolist())) \
+            if ep_returns else []
+        self.perf["inference"] += t_inference
+        self.perf["env"] += time.perf_counter() - t_start - t_inference
+        return episodes, nonfinite
+
+    def _bootstrap_truncated(self, t: int, truncated: np.ndarray, info: dict, step: int, rollout_start: int) -> None:
+        """SAME_STEP autoreset: the returned obs is already the new episode's; store V(true final obs) for the
+        truncated envs of step ``t`` (``buffer.next_values`` reads it in place of V(next obs))."""
+        buf, dev = self.buffer, self.device
+        idx = np.flatnonzero(truncated)
+        final_obs = info["final_obs"]
+        try:
+            if isinstance(final_obs, np.ndarray) and final_obs.dtype != object:
+                final = final_obs[idx].astype(np.float32).reshape(len(idx), -1)  # a batched env's array
+            else:
+                final = np.stack([np.asarray(final_obs[i], dtype=np.float32).reshape(-1) for i in idx])
+            if final.shape[1] != self.obs_dim:
+                raise ValueError(f"final observations of {final.shape[1]} values, expected {self.obs_dim}")
+        except Exception as exc:  # noqa: BLE001
+            raise self.fail(step, rollout_start, exc,
+                            detail=f"info['final_obs'] of a truncated episode is unusable: {exc}")
+        final = np.where(np.isfinite(final), final, 0.0).astype(np.float32)
+        final_t = self.normalize(torch.as_tensor(final, device=dev))
+        with torch.inference_mode():
+            fv = self.policy.value(final_t)
+        idx_t = torch.as_tensor(idx, device=dev)
+        buf.final_values[t, idx_t] = fv
+        buf.has_final[t, idx_t] = True
+
+
+def make_train_envs(cfg: Any, custom_env: Any = None) -> Any:
+    """The training vector env of ``cfg`` (``custom_env``: a resolved factory or instance); sets ``cfg.env_id``
+    to a custom env's record name once it exists. A constructor that raises is one EnvError line."""
+    from .envs import make_vec_env
+
+    try:
+        envs = make_vec_env(cfg.env_id, cfg.num_envs, cfg.seed, cfg.vector_mode, cfg.env_kwargs, env_fn=custom_env)
+        if custom_env is not None:
+            cfg.env_id = custom_env.name  # the record now that the env exists (spec id or custom:Class)
+    except (ValueError, EnvError):
+        raise  # an unknown id or unsupported spaces: already one clear line
+    except Exception as exc:  # noqa: BLE001 - an env whose constructor raises: one line, not its traceback
+        raise env_failure(cfg.env_id, "make()", 0, exc) from exc
+    return envs
+
+
+def make_eval_envs(cfg: Any, custom_env: Any = None) -> tuple[Any, int]:
+    """The evaluation gate's vector env (``eval_episodes`` envs, unseeded until reset) and its step cap."""
+    from .envs import make_vec_env
+    from .envs.factory import _get_spec
+
+    spec = _get_spec(cfg.env_id) if custom_env is None else None
+    # Batched (native) where the env has one: an evaluation then costs about as much as a rollout step.
+    mode = "native" if spec is not None and spec.vector_entry_point is not None else "sync"
+    envs = make_vec_env(cfg.env_id, cfg.eval_episodes, None, mode, cfg.env_kwargs, env_fn=custom_env)
+    return envs, (spec.max_episode_steps if spec is not None else None) or 100_000
+
+
+def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.device) -> RolloutBuffer:
+    """The rollout buffer for ``policy``'s observations and actions: ``[T, N]`` long actions (discrete),
+    ``[T, N, k]`` long (multidiscrete, k sub-actions), ``[T, N, D]`` float32 (continuous)."""
+    if policy.kind == "continuous":
+        action_shape: tuple[int, ...] = (policy.action_dims[0],)
+    else:
+        action_shape = () if policy.kind == "discrete" else (len(policy.action_dims),)
+    action_dtype = torch.float32 if policy.kind == "continuous" else torch.long
+    return RolloutBuffer.allocate(num_steps, num_envs, policy.obs_dim, action_shape, action_dtype, device)
+
+
+def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int,
+                            max_steps: int, env_id: str, global_step: int,
+                            action_bounds: tuple[np.ndarray, np.ndarray] | None,
+                            fail: Callable[[str, BaseException], EnvError]) -> float:
+    """Mean return of the first episode of each env of ``envs``, acting deterministically on ``actor``'s output
+    (logits or Gaussian mean: no critic, no log-prob). ``fail(phase, exc)`` builds the error an env failure
+    raises."""
+    n, space = envs.num_envs, envs.single_observation_space
+    try:
+        obs, _ = envs.reset(seed=seed)
+        obs = check_obs_batch(obs, n, space, env_id, "evaluation reset()", global_step)
+    except Exception as exc:  # noqa: BLE001
+        raise fail("evaluation reset()", exc) from exc
+    device = next(policy.parameters()).device
+    total, running = np.zeros(n), np.ones(n, dtype=bool)
+    for _ in range(max_steps):
+        obs_t = torch.as_tensor(obs, device=device)
+        with torch.inference_mode():
+            actions = policy.sample(actor(normalize(obs_t)), deterministic=True)
+        actions = actions.cpu().numpy()
+        if action_bounds is not None:
+            actions = np.clip(actions, *action_bounds)
+        try:
+            obs, reward, terminated, truncated, _ = envs.step(actions)
+            obs = check_obs_batch(obs, n, space, env_id, "evaluation step()", global_step)
+            reward, terminated, truncated = check_step_batch(reward, terminated, truncated, n, env_id, global_step,
+                                                             "evaluation step()")
+        except Exception as exc:  # noqa: BLE001
+            raise fail("evaluation step()", exc) from exc
+        # Only each env's first episode counts; whatever follows an autoreset is ignored.
+        total += np.where(running, np.asarray(reward, dtype=np.float64), 0.0)
+        running &= ~(np.asarray(terminated, dtype=bool) | np.asarray(truncated, dtype=bool))
+        if not running.any():
+            break
+    return float(total.mean())
