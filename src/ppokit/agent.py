@@ -11,7 +11,7 @@ import torch
 from . import checkpoint as ckpt
 from .config import PPOConfig
 from .normalize import ObsNormalizer
-from .policies import ActorCritic
+from .policies import ActorCritic, mask_logits
 
 __all__ = ["Agent", "load", "evaluate", "stored_config"]
 
@@ -49,11 +49,21 @@ class Agent:
             x = self.obs_norm.normalize(x)
         return x, single
 
-    def act(self, obs: Any, deterministic: bool = True) -> np.ndarray:
-        """Actions for one observation or a batch ``[B, ...]``; continuous actions clipped to the env bounds."""
+    def act(self, obs: Any, deterministic: bool = True, action_mask: Any = None) -> np.ndarray:
+        """Actions for one observation or a batch ``[B, ...]``; continuous actions clipped to the env bounds.
+        ``action_mask`` (``[n_actions]`` or ``[B, n_actions]``, bool or 0/1, True = allowed; e.g. the env's
+        ``info["action_mask"]``) keeps masked actions from being chosen, as in training."""
         x, single = self._obs(obs)
+        mask = None
+        if action_mask is not None:
+            if self.policy.kind == "continuous":
+                raise ValueError("action_mask applies to Discrete and MultiDiscrete actions, not continuous ones")
+            mask = torch.as_tensor(np.asarray(action_mask) != 0, device=x.device).reshape(x.shape[0], -1)
+            if mask.shape[1] != sum(self.policy.action_dims):
+                raise ValueError(f"action_mask has {mask.shape[1]} entries per observation, expected "
+                                 f"{sum(self.policy.action_dims)}")
         with torch.inference_mode():
-            head = self.policy.actor(x)
+            head = mask_logits(self.policy.actor(x), mask)
             actions = self.policy.sample(head, deterministic).cpu().numpy()
         if self.policy.kind == "continuous" and self.action_low is not None:
             actions = np.clip(actions, self.action_low, self.action_high)
@@ -263,10 +273,11 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
     returns, lengths = [], []
     try:
         for ep in range(episodes):
-            obs, _ = env.reset(seed=seed + ep)
+            obs, info = env.reset(seed=seed + ep)
             total, n, done = 0.0, 0, False
             while not done:
-                obs, reward, terminated, truncated, _ = env.step(agent.act(obs, deterministic=deterministic))
+                action = agent.act(obs, deterministic=deterministic, action_mask=_env_mask(env, info, agent.policy))
+                obs, reward, terminated, truncated, info = env.step(action)
                 total += float(reward)
                 n += 1
                 done = terminated or truncated
@@ -275,3 +286,14 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
     finally:
         env.close()
     return {"mean": float(np.mean(returns)), "std": float(np.std(returns)), "returns": returns, "lengths": lengths}
+
+
+def _env_mask(env: Any, info: dict, policy: ActorCritic) -> Any:
+    """The env's action mask for its current observation (``info["action_mask"]``, else an ``action_masks()``
+    method), or None: an env without masks is acted on exactly as before."""
+    if policy.kind == "continuous":
+        return None
+    mask = info.get("action_mask") if isinstance(info, dict) else None
+    if mask is None and env.has_wrapper_attr("action_masks"):
+        mask = env.get_wrapper_attr("action_masks")()
+    return mask

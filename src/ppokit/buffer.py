@@ -33,11 +33,16 @@ class RolloutBuffer:
     valid: Tensor  # [T, N] bool
     final_values: Tensor  # [T, N] V(final obs) where has_final, else 0
     has_final: Tensor  # [T, N] bool: the step ended an episode and its final obs was not the next obs
+    # [T, N, n_logits] bool: the actions the env allowed at s_t (True = allowed); None when the env has no masks,
+    # so an unmasked run stores and computes nothing more.
+    masks: Tensor | None = None
 
     @classmethod
     def allocate(cls, num_steps: int, num_envs: int, obs_dim: int, action_shape: tuple[int, ...],
-                 action_dtype: torch.dtype, device: torch.device | str) -> "RolloutBuffer":
-        """Zeroed storage for ``num_steps x num_envs`` transitions on ``device``."""
+                 action_dtype: torch.dtype, device: torch.device | str,
+                 mask_dim: int | None = None) -> "RolloutBuffer":
+        """Zeroed storage for ``num_steps x num_envs`` transitions on ``device`` (action masks of ``mask_dim``
+        columns when given)."""
         T, N = num_steps, num_envs
 
         def z(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -54,6 +59,7 @@ class RolloutBuffer:
             valid=z(T, N, dtype=torch.bool),
             final_values=z(T, N),
             has_final=z(T, N, dtype=torch.bool),
+            masks=None if mask_dim is None else z(T, N, mask_dim, dtype=torch.bool),
         )
 
     def next_values(self, last_values: Tensor) -> Tensor:

@@ -9,6 +9,10 @@ the update, the logger or checkpoints. What it handles:
   ``info["final_obs"]``, since the observation returned is already the next episode's;
 * NaN/Inf from the env: counted, zeroed, kept out of the statistics and never trained on;
 * the env output checks of ``envs.errors``, run in full only when a cheap shape/dtype test fails;
+* action masks, when the env provides them (``action_masks_available``): read after every reset and step from
+  ``info["action_mask"]`` (Gymnasium's Taxi convention; a vector env batches it, ``info["_action_mask"]`` flags
+  the envs that sent one) or else from each sub-env's ``action_masks()`` method (SB3-contrib's convention), acted
+  on and stored in the buffer; an env without masks stores and computes nothing more;
 * every second of the rollout booked to ``perf``: acting to "inference", stepping and result handling to "env".
 
 An env failure ends the run: ``fail(step, rollout_start, exc, detail)`` (the trainer's, which saves the learner
@@ -24,10 +28,11 @@ import numpy as np
 import torch
 
 from .buffer import RolloutBuffer
-from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, checked_reset, env_failure
+from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
 from .normalize import ObsNormalizer, RewardScaler
+from .policies import mask_logits
 
-__all__ = ["Collector", "Episodes", "allocate_buffer", "evaluate_first_episodes", "make_eval_envs",
+__all__ = ["Collector", "Episodes", "action_masks_available", "allocate_buffer", "read_action_masks", "evaluate_first_episodes", "make_eval_envs",
            "make_train_envs"]
 
 Episodes = list[tuple[float, int]]  # (raw return, length) of each episode finished in the rollout
@@ -58,7 +63,11 @@ class Collector:
         if policy.kind == "continuous":
             space = envs.single_action_space
             self.action_bounds = (np.asarray(space.low, dtype=np.float32), np.asarray(space.high, dtype=np.float32))
-        self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device)
+        # Masks only for categorical heads: the trainer then runs the autograd update (the fused kernel has none).
+        self.masked = policy.kind != "continuous" and action_masks_available(envs)
+        self.mask_dim = sum(policy.action_dims) if self.masked else None
+        self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device, self.mask_dim)
+        self.next_mask: np.ndarray | None = None  # [N, n_logits] bool: the actions allowed at next_obs_raw
         N = self.num_envs
         self.next_obs_raw: np.ndarray | None = None  # [N, obs_dim] float32 (or as reset returned it)
         self.ep_return = np.zeros(N, dtype=np.float64)  # raw, unscaled rewards
@@ -69,16 +78,30 @@ class Collector:
     # ------------------------------------------------------------------ loop state
     def reset(self, seed: int) -> None:
         """Reset every env (seeded) and check what it returned."""
-        self.next_obs_raw = checked_reset(self.envs, self.env_id, self.num_envs, seed)
+        try:
+            obs, info = self.envs.reset(seed=seed)
+        except Exception as exc:  # noqa: BLE001 - whatever the env raised, say which env and where
+            raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from exc
+        self.next_obs_raw = check_obs_batch(obs, self.num_envs, self.envs.single_observation_space, self.env_id,
+                                            "reset()", 0)
+        if self.masked:
+            try:
+                self.next_mask = read_action_masks(self.envs, info, self.mask_dim)
+            except ValueError as exc:
+                raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from None
 
     def loop_state(self) -> dict[str, torch.Tensor]:
-        """The state carried between rollouts, as a checkpoint's ``loop`` entry (copies)."""
-        return {
+        """The state carried between rollouts, as a checkpoint's ``loop`` entry (copies; with masks, the mask of
+        the next observation too)."""
+        state = {
             "next_obs_raw": torch.from_numpy(self.next_obs_raw.copy()),
             "ep_return": torch.from_numpy(self.ep_return.copy()),
             "ep_length": torch.from_numpy(self.ep_length.copy()),
             "prev_done": torch.from_numpy(self.prev_done.copy()),
         }
+        if self.masked:
+            state["next_mask"] = torch.from_numpy(self.next_mask.copy())
+        return state
 
     def load_loop_state(self, loop: dict[str, torch.Tensor]) -> None:
         """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes)."""
@@ -86,6 +109,8 @@ class Collector:
         self.ep_return = loop["ep_return"].numpy().copy()
         self.ep_length = loop["ep_length"].numpy().copy()
         self.prev_done = loop["prev_done"].numpy().copy()
+        if self.masked and "next_mask" in loop:
+            self.next_mask = loop["next_mask"].numpy().astype(bool)
 
     def normalize(self, obs: torch.Tensor) -> torch.Tensor:
         """``obs`` as the policy sees it (the running observation statistics, not updated here)."""
@@ -114,8 +139,14 @@ class Collector:
         step_views = list(zip(buf.obs.unbind(0), buf.actions.unbind(0), buf.logp.unbind(0), buf.values.unbind(0)))
         for t in range(self.num_steps):
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                actions, logp, values = act(obs)
+            if self.masked:
+                mask = torch.as_tensor(self.next_mask, device=dev)
+                buf.masks[t].copy_(mask)
+                with torch.inference_mode():
+                    actions, logp, values = act(obs, action_mask=mask)
+            else:
+                with torch.inference_mode():
+                    actions, logp, values = act(obs)
             for dest, src in zip(step_views[t], (obs, actions, logp, values)):
                 dest.copy_(src)
             env_actions = actions.cpu().numpy()
@@ -138,6 +169,11 @@ class Collector:
                     reward, terminated, truncated = check_step_batch(reward, terminated, truncated, N, env_id, step)
             except EnvError as exc:
                 raise self.fail(step, rollout_start, exc) from None
+            if self.masked:
+                try:
+                    self.next_mask = read_action_masks(self.envs, info, self.mask_dim)
+                except Exception as exc:  # noqa: BLE001 - a bad mask (or a failing action_masks()) ends the run
+                    raise self.fail(step, rollout_start, exc, detail=f"action mask: {exc}") from None
             step += N
 
             next_obs = np.asarray(next_obs, dtype=np.float32).reshape(N, -1)
@@ -251,7 +287,64 @@ def make_eval_envs(cfg: Any, custom_env: Any = None) -> tuple[Any, int]:
     return envs, (spec.max_episode_steps if spec is not None else None) or 100_000
 
 
-def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.device) -> RolloutBuffer:
+def action_masks_available(envs: Any) -> bool:
+    """Whether ``envs`` provides action masks: a sub-env (or the vector env itself) with an ``action_masks()``
+    method (SB3-contrib's convention) or with an ``action_mask`` attribute (Gymnasium's Taxi, which also sends the
+    mask as ``info["action_mask"]``). Decided before the first reset, so the trainer can choose its update path;
+    an env that only puts masks in ``info`` without either attribute is not detected, and neither is an async
+    vector env's (its sub-envs live in other processes)."""
+    return hasattr(envs, "action_masks") or _sub_env_has(envs, "action_masks") or _sub_env_has(envs, "action_mask")
+
+
+def _sub_env_has(envs: Any, name: str) -> bool:
+    subs = getattr(envs, "envs", None)  # a SyncVectorEnv's sub-envs (wrappers included)
+    return bool(subs) and subs[0].has_wrapper_attr(name)
+
+
+def read_action_masks(envs: Any, info: dict, mask_dim: int) -> np.ndarray:
+    """The ``[N, mask_dim]`` bool masks of the observations a reset or step just returned: ``info["action_mask"]``
+    where the envs sent it (rows flagged False by ``info["_action_mask"]`` ask the method or allow every action),
+    else each sub-env's ``action_masks()``. ValueError for a mask of another shape or one that allows no action."""
+    n = envs.num_envs
+    masks = None
+    if isinstance(info, dict) and "action_mask" in info:
+        raw = info["action_mask"]
+        if isinstance(raw, np.ndarray) and raw.dtype != object:
+            masks = raw.reshape(n, -1) != 0 if raw.size == n * mask_dim else None
+            if masks is None:
+                raise ValueError(f"info['action_mask'] has shape {raw.shape}, expected ({n}, {mask_dim})")
+        else:  # per-env objects (envs whose masks differ in type): each row on its own
+            masks = np.ones((n, mask_dim), dtype=bool)
+            for i, row in enumerate(raw):
+                if row is not None:
+                    masks[i] = _one_mask(row, mask_dim, i)
+        present = info.get("_action_mask")
+        if present is not None and not np.asarray(present, dtype=bool).all():
+            masks = masks.copy()
+            masks[~np.asarray(present, dtype=bool)] = True
+    elif hasattr(envs, "action_masks"):
+        masks = np.asarray(envs.action_masks()).reshape(n, -1) != 0
+    elif _sub_env_has(envs, "action_masks"):
+        masks = np.stack([_one_mask(m, mask_dim, i) for i, m in enumerate(envs.call("action_masks"))])
+    else:  # an info-mask env whose step sent none this time: every action allowed
+        masks = np.ones((n, mask_dim), dtype=bool)
+    if masks.shape != (n, mask_dim):
+        raise ValueError(f"action masks of shape {masks.shape}, expected ({n}, {mask_dim})")
+    empty = ~masks.any(1)
+    if empty.any():
+        raise ValueError(f"the action mask of env {int(np.flatnonzero(empty)[0])} allows no action")
+    return masks
+
+
+def _one_mask(row: Any, mask_dim: int, i: int) -> np.ndarray:
+    m = np.asarray(row).reshape(-1)
+    if m.shape != (mask_dim,):
+        raise ValueError(f"the action mask of env {i} has {m.size} entries, expected {mask_dim}")
+    return m != 0
+
+
+def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.device,
+                    mask_dim: int | None = None) -> RolloutBuffer:
     """The rollout buffer for ``policy``'s observations and actions: ``[T, N]`` long actions (discrete),
     ``[T, N, k]`` long (multidiscrete, k sub-actions), ``[T, N, D]`` float32 (continuous)."""
     if policy.kind == "continuous":
@@ -259,7 +352,7 @@ def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.de
     else:
         action_shape = () if policy.kind == "discrete" else (len(policy.action_dims),)
     action_dtype = torch.float32 if policy.kind == "continuous" else torch.long
-    return RolloutBuffer.allocate(num_steps, num_envs, policy.obs_dim, action_shape, action_dtype, device)
+    return RolloutBuffer.allocate(num_steps, num_envs, policy.obs_dim, action_shape, action_dtype, device, mask_dim)
 
 
 def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int,
@@ -270,8 +363,11 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
     (logits or Gaussian mean: no critic, no log-prob). ``fail(phase, exc)`` builds the error an env failure
     raises."""
     n, space = envs.num_envs, envs.single_observation_space
+    masked = policy.kind != "continuous" and action_masks_available(envs)
+    mask_dim = sum(policy.action_dims)
     try:
-        obs, _ = envs.reset(seed=seed)
+        obs, info = envs.reset(seed=seed)
+        mask = read_action_masks(envs, info, mask_dim) if masked else None
         obs = check_obs_batch(obs, n, space, env_id, "evaluation reset()", global_step)
     except Exception as exc:  # noqa: BLE001
         raise fail("evaluation reset()", exc) from exc
@@ -280,13 +376,17 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
     for _ in range(max_steps):
         obs_t = torch.as_tensor(obs, device=device)
         with torch.inference_mode():
-            actions = policy.sample(actor(normalize(obs_t)), deterministic=True)
+            head = actor(normalize(obs_t))
+            if mask is not None:
+                head = mask_logits(head, torch.as_tensor(mask, device=device))
+            actions = policy.sample(head, deterministic=True)
         actions = actions.cpu().numpy()
         if action_bounds is not None:
             actions = np.clip(actions, *action_bounds)
         try:
-            obs, reward, terminated, truncated, _ = envs.step(actions)
+            obs, reward, terminated, truncated, info = envs.step(actions)
             obs = check_obs_batch(obs, n, space, env_id, "evaluation step()", global_step)
+            mask = read_action_masks(envs, info, mask_dim) if masked else None
             reward, terminated, truncated = check_step_batch(reward, terminated, truncated, n, env_id, global_step,
                                                              "evaluation step()")
         except Exception as exc:  # noqa: BLE001

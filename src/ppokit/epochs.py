@@ -44,6 +44,7 @@ class Batch:
     values_old: Tensor  # [B] V at rollout time (for value clipping)
     advantages: Tensor  # [B] GAE advantages, constants
     returns: Tensor  # [B] value targets, constants
+    action_mask: Tensor | None = None  # [B, n_logits] bool, the actions allowed at acting time (masked envs only)
 
     def __len__(self) -> int:
         return self.obs.shape[0]
@@ -51,7 +52,8 @@ class Batch:
     def index(self, idx: Tensor) -> "Batch":
         """The minibatch at row indices ``idx``."""
         return Batch(self.obs[idx], self.actions[idx], self.logp_old[idx], self.values_old[idx],
-                     self.advantages[idx], self.returns[idx])
+                     self.advantages[idx], self.returns[idx],
+                     None if self.action_mask is None else self.action_mask[idx])
 
 
 @dataclass

@@ -20,10 +20,25 @@ from torch import Tensor, nn
 
 from .objectives import categorical_entropy, gaussian_entropy
 
-__all__ = ["ActorCritic", "build_policy", "frozen_copy", "layer_init", "ACTIVATIONS"]
+__all__ = ["ActorCritic", "build_policy", "frozen_copy", "layer_init", "mask_logits", "ACTIVATIONS", "MASKED_LOGIT"]
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+# The logit a masked action gets. Finite on purpose: with -inf (or float32's min, which the log-softmax's
+# subtraction turns into -inf) the entropy's p * log p is 0 * -inf = NaN. After the log-softmax a masked action's
+# log-prob is about -1e8, so exp() gives exactly 0.0 in float32/float64 and p * log p is exactly 0.
+MASKED_LOGIT = -1e8
+
+
+def mask_logits(head: Tensor, action_mask: Tensor | None) -> Tensor:
+    """``head`` with the logits where ``action_mask`` is False replaced by ``MASKED_LOGIT``; ``head`` itself when
+    there is no mask. ``torch.where`` routes no gradient to the replaced entries, so masked actions get exactly 0
+    gradient. ``action_mask`` is bool ``[B, n_logits]`` (one column per logit: for MultiDiscrete the sub-action
+    masks side by side, as SB3-contrib lays them out)."""
+    if action_mask is None:
+        return head
+    return torch.where(action_mask, head, torch.full((), MASKED_LOGIT, dtype=head.dtype, device=head.device))
 
 
 def layer_init(layer: nn.Linear, gain: float, bias: float = 0.0) -> nn.Linear:
@@ -110,16 +125,30 @@ class ActorCritic(nn.Module):
         return picks[0] if self.kind == "discrete" else torch.stack(picks, -1)
 
     # ------------------------------------------------------------------ the two calls PPO makes
-    def act(self, obs: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """Acting: ``obs [B, obs_dim] -> (actions, logp [B], values [B])``; call under ``torch.inference_mode``."""
+    def masked_head(self, obs: Tensor, action_mask: Tensor | None = None) -> Tensor:
+        """The actor's output for ``obs`` with ``action_mask`` applied (categorical heads only)."""
         head = self.actor(obs)
+        if action_mask is None:
+            return head
+        if self.kind == "continuous":
+            raise ValueError("action masks apply to Discrete and MultiDiscrete actions, not to continuous ones")
+        return mask_logits(head, action_mask)
+
+    def act(self, obs: Tensor, deterministic: bool = False,
+            action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Acting: ``obs [B, obs_dim] -> (actions, logp [B], values [B])``; call under ``torch.inference_mode``.
+        With ``action_mask`` (bool ``[B, n_logits]``) masked actions are never sampled and ``logp`` is the masked
+        distribution's, as ``evaluate`` recomputes it."""
+        head = self.masked_head(obs, action_mask)
         actions = self.sample(head, deterministic)
         logp, _ = self.log_prob_entropy(head, actions)
         return actions, logp, self.value(obs)
 
-    def evaluate(self, obs: Tensor, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Update: ``(logp_new [B], entropy [B], values [B])`` of stored ``actions`` under pi_theta."""
-        logp, ent = self.log_prob_entropy(self.actor(obs), actions)
+    def evaluate(self, obs: Tensor, actions: Tensor,
+                 action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Update: ``(logp_new [B], entropy [B], values [B])`` of stored ``actions`` under pi_theta (under the
+        stored ``action_mask``, if any: masked actions carry no probability and no entropy)."""
+        logp, ent = self.log_prob_entropy(self.masked_head(obs, action_mask), actions)
         return logp, ent, self.value(obs)
 
     def spec(self) -> dict:

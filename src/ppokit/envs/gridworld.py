@@ -262,3 +262,71 @@ class GridWorldVectorEnv(gym.vector.VectorEnv):
         if self.render_mode == "ansi":
             return tuple(_ansi(int(p), self.size) for p in self._pos)
         return None
+
+
+# Default walls of GridWorldWalls (row, col) on the 4x4 grid: a wall down column 2 with a gap in the bottom row,
+# so the shortest path (down the left edge, then along the bottom) still takes 6 steps and returns 0.95.
+DEFAULT_WALLS = ((0, 2), (1, 2), (2, 2))
+
+
+class GridWorldWallsEnv(GridWorldEnv):
+    """``GridWorldEnv`` with wall cells, and the action mask that action-masked PPO reads.
+
+    A move into a wall or off the grid leaves the agent in place (paying the step reward) and counts one
+    ``wall_bumps``. The mask of the current cell (``int8 [4]``, 1 = allowed: the move stays on the grid and out of
+    the walls) comes in ``info["action_mask"]`` after every reset and step (Gymnasium's Taxi convention) and from
+    ``action_masks()`` (SB3-contrib's). With masking a policy never bumps; a random policy does.
+    """
+
+    def __init__(self, size: int = DEFAULT_SIZE, walls: Any = DEFAULT_WALLS, render_mode: str | None = None):
+        super().__init__(size=size, render_mode=render_mode)
+        cells = set()
+        for w in walls:
+            r, c = (int(v) for v in w)
+            if not (0 <= r < self.size and 0 <= c < self.size):
+                raise ValueError(f"wall ({r}, {c}) lies outside the {self.size}x{self.size} grid")
+            cells.add(r * self.size + c)
+        if 0 in cells or self.goal in cells:
+            raise ValueError("walls may not cover the start (0, 0) or the goal cell")
+        self.walls = frozenset(cells)
+        self.wall_bumps = 0
+        # The mask of every cell, computed once: move a stays on the grid and does not enter a wall.
+        self._masks = np.zeros((self.n_cells, 4), dtype=np.int8)
+        for pos in range(self.n_cells):
+            r, c = divmod(pos, self.size)
+            for a in range(4):
+                nr, nc = r + int(_D_ROW[a]), c + int(_D_COL[a])
+                inside = 0 <= nr < self.size and 0 <= nc < self.size
+                self._masks[pos, a] = inside and (nr * self.size + nc) not in self.walls
+
+    def action_masks(self) -> np.ndarray:
+        """``int8 [4]``: 1 where the move from the current cell is allowed."""
+        if self._pos is None:
+            raise RuntimeError("call reset() first")
+        return self._masks[self._pos].copy()
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        obs, _ = super().reset(seed=seed, options=options)
+        return obs, {"action_mask": self.action_masks()}
+
+    def step(self, action):
+        """Move one cell unless the move is masked (a wall or the edge): then stay and count a bump."""
+        if self._pos is None or self._done:
+            raise RuntimeError("call reset() before step() (the episode is over or never started)")
+        a = int(action)
+        if not 0 <= a < 4:
+            raise ValueError(f"action must be in 0..3, got {action!r}")
+        if not self._masks[self._pos, a]:
+            self.wall_bumps += 1
+            return self._obs(), STEP_REWARD, False, False, {"action_mask": self.action_masks()}
+        obs, reward, terminated, truncated, _ = super().step(a)
+        return obs, reward, terminated, truncated, {"action_mask": self.action_masks()}
+
+    def render(self):
+        frame = super().render()
+        if self.render_mode == "ansi" and frame is not None:
+            chars = list(frame)
+            for w in self.walls:  # each cell is one char plus a separator
+                chars[w * 2] = "#"
+            return "".join(chars)
+        return frame
