@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .algos import ALGOS  # the registry itself (live: an algo registered later validates too)
 from .schema import KL_STOP_FACTOR
 
 if sys.version_info >= (3, 11):
@@ -28,7 +29,6 @@ __all__ = ["PPOConfig", "ConfigError", "PRESETS_DIR", "list_presets", "load_pres
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-ALGOS = ("ppo", "ppo-kl", "a2c")
 ACTIVATIONS = ("tanh", "relu")
 VECTOR_MODES = ("sync", "async", "native", "envpool")
 
@@ -222,7 +222,8 @@ class PPOConfig:
             out.append(("update_epochs", f"{self.update_epochs} epochs is an unsafe trust region: K must be <= "
                         f"{SAFE_LIMITS['update_epochs']} (the policy drifts too far from pi_old); safe range 1-30, "
                         "typical 3-10"))
-        if self.algo == "ppo" and self.clip_coef > SAFE_LIMITS["clip_coef"]:
+        algo = ALGOS.get(self.algo)  # None for an unknown algo, which validate() refuses by name
+        if algo is not None and algo.clip_guard_rail and self.clip_coef > SAFE_LIMITS["clip_coef"]:
             out.append(("clip_coef", f"eps={self.clip_coef} is an unsafe trust region: eps must be <= "
                         f"{SAFE_LIMITS['clip_coef']}; safe range 0.1-0.3, typical 0.2"))
         if not self.norm_adv:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import schema as S
+from .algos import ALGOS
 from .config import ConfigError, PPOConfig, _coerce
 
 __all__ = [
@@ -583,9 +584,16 @@ def plot_clipfrac(results: Sequence[SettingResult], path: Path, title: str) -> P
     return _per_update(results, "clipfrac", path, title, "clip fraction per update", False)
 
 
+def _adapts_kl_beta(algo: str) -> bool:
+    """True for an algo whose penalty beta moves between updates (ppo-kl): only its runs have a beta curve. A
+    sweep read back from disk may name an algo this process has not registered; it has no curve."""
+    registered = ALGOS.get(algo)
+    return registered is not None and registered.adapts_kl_beta
+
+
 def plot_beta(results: Sequence[SettingResult], path: Path, title: str) -> Path:
     """PPO-KL's adaptive penalty coefficient beta per update (log scale), ppo-kl settings only."""
-    kl_only = [r for r in results if r.algo == "ppo-kl"]
+    kl_only = [r for r in results if _adapts_kl_beta(r.algo)]
     return _per_update(kl_only, "kl_beta", path, title, "KL penalty beta (log scale)", True)
 
 
@@ -676,7 +684,7 @@ def write_outputs(specs: Sequence[RunSpec], out: str | Path, threshold: float | 
     plot_clipfrac(results, out / "clipfrac.png", f"clip fraction per update ({tag})")
     if compare:
         plot_stability(rows, out / "stability.png", f"stability: std of return over the last 20% ({tag})")
-        if any(r.algo == "ppo-kl" for r in results):
+        if any(_adapts_kl_beta(r.algo) for r in results):
             plot_beta(results, out / "beta.png", f"PPO-KL penalty beta per update ({tag})")
     write_summary_csv(rows, out / "summary.csv")
     if console is not None:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .acting import ActingKernel
 from .advantages import normalize
+from .algos import get_algo
 from .epochs import Batch, MinibatchResult, UpdateSettings, ppo_epochs
 from .flat_adam import FlatAdam
 from .mlp_backward import MLPLossKernel
@@ -77,7 +78,7 @@ class FusedStep:
 
     @contextmanager
     def update(self, batch: Batch, settings: UpdateSettings) -> Iterator[None]:
-        if settings.algo != "ppo":
+        if not get_algo(settings.algo).fused:
             raise ValueError(f"the fused update: algo {settings.algo!r} is not fused; use update.AutogradStep")
         self.settings, self.batch = settings, batch
         # Inference mode rather than no_grad: it also skips the autograd dispatch of every op (~1 us each here).

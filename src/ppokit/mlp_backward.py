@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from .algos import ALGOS
 from .epochs import UpdateSettings
 from .objectives import past_clip
 from .policies import ActorCritic
@@ -37,8 +38,10 @@ def unsupported_reason(policy: nn.Module, algo: str) -> str | None:
     """Why the fused path cannot run this policy/objective (None when it can)."""
     if not isinstance(policy, ActorCritic):
         return f"policy is a {type(policy).__name__}, not an ActorCritic"
-    if algo != "ppo":
-        return f"algo {algo!r} (only the clipped surrogate 'ppo' is fused)"
+    registered = ALGOS.get(algo)
+    if registered is None or not registered.fused:
+        fused = ", ".join(repr(a.name) for a in ALGOS.values() if a.fused)
+        return f"algo {algo!r} (only {fused} is fused)"
     if policy.kind not in ("discrete", "continuous"):
         return f"{policy.kind} action heads"
     if policy.activation not in ("tanh", "relu"):

@@ -20,6 +20,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .advantages import gae
+from .algos import Algo, adapt_kl_beta, get_algo  # adapt_kl_beta: ppo-kl's rule, importable from here as before
 from .acting import ActingKernel
 from .collector import Collector, evaluate_first_episodes, make_eval_envs, make_train_envs
 from .envs.errors import EnvError, env_failure
@@ -223,8 +224,8 @@ class Trainer:
                 step = FusedStep(self.optimizer) if self.fused else AutogradStep(self.policy, self.optimizer)
                 stats = ppo_epochs(batch, self.update_settings(clip_coef), step)
                 kl_after = self.batch_kl(batch)  # how far this update moved pi_theta from pi_old
-                if cfg.algo == "ppo-kl":
-                    self.kl_beta = adapt_kl_beta(self.kl_beta, kl_after, cfg.kl_target)
+                if self.algo.after_update is not None:  # ppo-kl: the adaptive penalty's beta rule
+                    self.kl_beta = self.algo.after_update(self.kl_beta, kl_after, cfg)
                 self.perf["update"] += time.perf_counter() - t0
                 self.update_idx += 1
 
@@ -363,14 +364,18 @@ class Trainer:
         return Batch(**flat), advantages, returns
 
     def update_settings(self, clip_coef: float) -> UpdateSettings:
-        """This update's settings; a2c is one gradient step on the whole batch."""
-        cfg = self.config
-        a2c = cfg.algo == "a2c"
-        return UpdateSettings(algo=cfg.algo, update_epochs=1 if a2c else cfg.update_epochs,
-                              num_minibatches=1 if a2c else cfg.num_minibatches, clip_coef=clip_coef,
+        """This update's settings, with the algo's schedule overrides (a2c: one gradient step on the whole batch)."""
+        cfg, algo = self.config, self.algo
+        return UpdateSettings(algo=cfg.algo, update_epochs=algo.update_epochs or cfg.update_epochs,
+                              num_minibatches=algo.num_minibatches or cfg.num_minibatches, clip_coef=clip_coef,
                               clip_vloss=cfg.clip_vloss, norm_adv=cfg.norm_adv, ent_coef=cfg.ent_coef,
                               vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
-                              target_kl=None if a2c else cfg.target_kl, kl_beta=self.kl_beta)
+                              target_kl=cfg.target_kl if algo.kl_stop else None, kl_beta=self.kl_beta)
+
+    @property
+    def algo(self) -> Algo:
+        """The registered variant this run trains (``algos.ALGOS[config.algo]``)."""
+        return get_algo(self.config.algo)
 
     def batch_kl(self, batch: Batch) -> float:
         """k3 approx KL(pi_old || pi_theta) on the whole batch after the update (``diag/approx_kl_after``; one
@@ -560,15 +565,6 @@ class Trainer:
             raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no {exc.args[0]!r} entry") from exc
         except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
             raise ckpt.CheckpointError(f"{path} cannot be resumed: {ckpt.one_line(exc)}") from exc
-
-
-def adapt_kl_beta(beta: float, kl: float, target: float) -> float:
-    """PPO-KL's adaptive penalty (Schulman et al. 2017, sec. 4): x2 if KL > 2*target, /2 if KL < target/2."""
-    if kl > 2.0 * target:
-        return beta * 2.0
-    if kl < target / 2.0:
-        return beta / 2.0
-    return beta
 
 
 def _adam_kwargs(device: torch.device) -> dict:

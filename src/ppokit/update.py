@@ -14,16 +14,9 @@ import torch
 from torch import Tensor
 
 from .advantages import normalize
+from .algos import get_algo, loss_terms
 from .epochs import KL_STOP_FACTOR, STAT_NAMES, Batch, MinibatchResult, UpdateSettings, kl_stops, ppo_epochs
-from .objectives import (
-    approx_kl_k1,
-    approx_kl_k3,
-    clip_fraction,
-    entropy_loss,
-    kl_penalty_loss,
-    policy_loss,
-    value_loss,
-)
+from .objectives import approx_kl_k1, approx_kl_k3, clip_fraction
 from .policies import ActorCritic
 
 __all__ = ["Batch", "UpdateSettings", "AutogradStep", "ppo_update", "minibatch_loss", "kl_stops", "KL_STOP_FACTOR",
@@ -37,20 +30,11 @@ def minibatch_loss(policy: ActorCritic, mb: Batch, s: UpdateSettings) -> tuple[T
     ratio = logratio.exp()
     advantages = normalize(mb.advantages) if s.norm_adv and len(mb) > 1 else mb.advantages
 
-    # Policy term: the clipped surrogate (ppo), the KL-penalized surrogate (ppo-kl) or plain policy gradient (a2c).
-    if s.algo == "ppo":
-        loss_policy = policy_loss(logp_new, mb.logp_old, advantages, s.clip_coef)
-    elif s.algo == "ppo-kl":
-        loss_policy = kl_penalty_loss(logp_new, mb.logp_old, advantages, s.kl_beta)
-    else:
-        # a2c: one step at ratio == 1, where the gradient of r*A equals that of logp*A.
-        loss_policy = -(ratio * advantages.detach()).mean()
-
-    clipped_value = s.clip_vloss and s.algo == "ppo"
-    loss_value = value_loss(values, mb.returns, mb.values_old if clipped_value else None,
-                            s.clip_coef if clipped_value else None)
-    loss_entropy = entropy_loss(entropy)
-    loss = loss_policy + s.vf_coef * loss_value + s.ent_coef * loss_entropy
+    # The algo's signed terms by name (algos.ALGOS says, once, what each variant's policy and value terms are).
+    terms = loss_terms(get_algo(s.algo), logp_new, mb.logp_old, ratio, advantages, entropy, values, mb.returns,
+                       mb.values_old, s)
+    loss_policy, loss_value = terms["policy"], terms["value"]
+    loss = loss_policy + s.vf_coef * loss_value + s.ent_coef * terms["entropy"]
 
     with torch.no_grad():
         stats = {
