@@ -294,6 +294,7 @@ def _env_mask(env: Any, info: dict, policy: ActorCritic) -> Any:
     if policy.kind == "continuous":
         return None
     mask = info.get("action_mask") if isinstance(info, dict) else None
-    if mask is None and env.has_wrapper_attr("action_masks"):
+    has = getattr(env, "has_wrapper_attr", None)  # gymnasium.Env's; a duck-typed env may lack it
+    if mask is None and has is not None and has("action_masks"):
         mask = env.get_wrapper_attr("action_masks")()
     return mask

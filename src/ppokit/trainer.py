@@ -22,7 +22,7 @@ from . import checkpoint as ckpt
 from .advantages import gae
 from .algos import Algo, adapt_kl_beta, get_algo  # adapt_kl_beta: ppo-kl's rule, importable from here as before
 from .acting import ActingKernel
-from .collector import Collector, evaluate_first_episodes, make_eval_envs, make_train_envs
+from .collector import Collector, action_masks_available, evaluate_first_episodes, make_eval_envs, make_train_envs
 from .envs.errors import EnvError, env_failure
 from .config import ConfigError, PPOConfig
 from . import schema as S
@@ -114,7 +114,9 @@ class Trainer:
             self.envs.close()
             raise
         # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
-        self.fused = cfg.fused_update and fused_supports(self.policy, cfg.algo)
+        # An env with action masks trains by autograd: the fused kernel (and its acting kernel) has no masks.
+        self.masked = self.policy.kind != "continuous" and action_masks_available(self.envs)
+        self.fused = cfg.fused_update and fused_supports(self.policy, cfg.algo) and not self.masked
         if self.fused:
             self.optimizer = FlatAdam(self.policy, lr=cfg.learning_rate, eps=1e-5)
         else:
@@ -357,6 +359,8 @@ class Trainer:
         flat = dict(obs=buf.obs.reshape(B, self.obs_dim), actions=buf.actions.reshape(B, *buf.actions.shape[2:]),
                     logp_old=buf.logp.reshape(B), values_old=buf.values.reshape(B),
                     advantages=advantages.reshape(B), returns=returns.reshape(B))
+        if buf.masks is not None:
+            flat["action_mask"] = buf.masks.reshape(B, buf.masks.shape[-1])
         valid = buf.valid.reshape(B)
         if not bool(valid.all()):
             keep = valid.nonzero().squeeze(-1)
@@ -383,7 +387,7 @@ class Trainer:
         from .objectives import approx_kl_k3
 
         with torch.inference_mode():
-            logp_new, _, _ = self.policy.evaluate(batch.obs, batch.actions)
+            logp_new, _, _ = self.policy.evaluate(batch.obs, batch.actions, action_mask=batch.action_mask)
             return float(approx_kl_k3(logp_new, batch.logp_old))
 
     # ================================================================== 4. metrics

@@ -25,7 +25,7 @@ __all__ = ["Batch", "UpdateSettings", "AutogradStep", "ppo_update", "minibatch_l
 
 def minibatch_loss(policy: ActorCritic, mb: Batch, s: UpdateSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """Total loss of one minibatch and its signed terms and diagnostics (all scalar tensors)."""
-    logp_new, entropy, values = policy.evaluate(mb.obs, mb.actions)
+    logp_new, entropy, values = policy.evaluate(mb.obs, mb.actions, action_mask=mb.action_mask)
     logratio = logp_new - mb.logp_old
     ratio = logratio.exp()
     advantages = normalize(mb.advantages) if s.norm_adv and len(mb) > 1 else mb.advantages
