@@ -5,6 +5,7 @@ trains through the trainer by registering it alone, and no string comparison of 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 import ppokit.algos as algos_mod
-from ppokit.algos import ALGOS, TERM_NAMES, Algo, get_algo, loss_terms, register
-from ppokit.config import ConfigError, load_preset
+from ppokit.algos import ALGOS, TERM_NAMES, Algo, describe_algos, get_algo, loss_terms, register
+from ppokit.config import ConfigError, PPOConfig, load_preset
 from ppokit.epochs import UpdateSettings
 from ppokit.mlp_backward import supports, unsupported_reason
 from ppokit.policies import ActorCritic
@@ -139,6 +140,12 @@ def test_registry_describes_the_variants():
     cfg.kl_target = 0.01
     assert kl.after_update(1.0, 0.05, cfg) == 2.0 and kl.after_update(1.0, 0.001, cfg) == 0.5
     assert kl.after_update(1.0, 0.01, cfg) == 1.0
+
+
+def test_help_lists_the_registry():
+    fields = {f.name: f for f in dataclasses.fields(PPOConfig)}
+    assert describe_algos() == "ppo (clipped surrogate), ppo-kl (adaptive KL penalty) or a2c (one step per rollout)"
+    assert fields["algo"].metadata["help"] == f"objective: {describe_algos()}"
 
 
 def test_register_refuses_a_duplicate_and_get_names_the_known():

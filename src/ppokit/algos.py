@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from .epochs import UpdateSettings
 
-__all__ = ["Algo", "ALGOS", "register", "get_algo", "loss_terms", "adapt_kl_beta", "TERM_NAMES"]
+__all__ = ["Algo", "ALGOS", "register", "get_algo", "describe_algos", "loss_terms", "adapt_kl_beta", "TERM_NAMES"]
 
 # The signed loss terms every algo returns, in the order they are summed (``loss = policy + vf*value + ent*entropy``).
 TERM_NAMES = ("policy", "value", "entropy")
@@ -107,6 +107,12 @@ def register(algo: Algo) -> Algo:
 register(Algo("ppo", "clipped surrogate", _ppo_policy, clip_value=True, clip_guard_rail=True, fused=True))
 register(Algo("ppo-kl", "adaptive KL penalty", _ppo_kl_policy, after_update=_ppo_kl_beta))
 register(Algo("a2c", "one step per rollout", _a2c_policy, update_epochs=1, num_minibatches=1, kl_stop=False))
+
+
+def describe_algos() -> str:
+    """The registered algos with their summaries, for ``--help``: "ppo (clipped surrogate), ... or a2c (...)"."""
+    parts = [f"{a.name} ({a.summary})" for a in ALGOS.values()]
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} or {parts[-1]}"
 
 
 def get_algo(name: str) -> Algo:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .algos import ALGOS  # the registry itself (live: an algo registered later validates too)
+from .algos import ALGOS, describe_algos  # the registry itself (live: an algo registered later validates too)
 from .schema import KL_STOP_FACTOR
 
 if sys.version_info >= (3, 11):
@@ -79,7 +79,7 @@ class PPOConfig:
     gae_lambda: float = _f(0.95, "GAE lambda, in [0, 1]")
     norm_adv: bool = _f(True, "normalize advantages per minibatch (zero mean, unit std)")
     # --- update ---
-    algo: str = _f("ppo", "objective: ppo (clipped surrogate), ppo-kl (adaptive KL penalty) or a2c (one step per rollout)")
+    algo: str = _f("ppo", f"objective: {describe_algos()}")
     num_minibatches: int = _f(4, "minibatches per epoch (must divide num_envs * num_steps)")
     update_epochs: int = _f(4, "epochs K over each rollout")
     clip_coef: float = _f(0.2, "clip range eps of the surrogate objective, in (0, 10]", max=10.0)
