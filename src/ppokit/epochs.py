@@ -60,7 +60,7 @@ class Batch:
 class UpdateSettings:
     """The knobs of one update (already annealed for this iteration)."""
 
-    algo: str  # "ppo" | "ppo-kl" | "a2c"
+    algo: str  # a name in algos.ALGOS
     update_epochs: int
     num_minibatches: int
     clip_coef: float
