@@ -101,13 +101,18 @@ class GridWorldEnv(gym.Env):
         self._done = False
         return self._obs(), {}
 
-    def step(self, action):
-        """Move one cell; returns (obs, reward, terminated, truncated=False, {})."""
+    def _checked_action(self, action) -> int:
+        """The action as an int in 0..3; an episode must be running."""
         if self._pos is None or self._done:
             raise RuntimeError("call reset() before step() (the episode is over or never started)")
         a = int(action)
         if not 0 <= a < 4:
             raise ValueError(f"action must be in 0..3, got {action!r}")
+        return a
+
+    def step(self, action):
+        """Move one cell; returns (obs, reward, terminated, truncated=False, {})."""
+        a = self._checked_action(action)
         self._pos = int(_move(np.int64(self._pos), np.int64(a), self.size))
         terminated = self._pos == self.goal
         self._done = terminated
@@ -311,11 +316,7 @@ class GridWorldWallsEnv(GridWorldEnv):
 
     def step(self, action):
         """Move one cell unless the move is masked (a wall or the edge): then stay and count a bump."""
-        if self._pos is None or self._done:
-            raise RuntimeError("call reset() before step() (the episode is over or never started)")
-        a = int(action)
-        if not 0 <= a < 4:
-            raise ValueError(f"action must be in 0..3, got {action!r}")
+        a = self._checked_action(action)
         if not self._masks[self._pos, a]:
             self.wall_bumps += 1
             return self._obs(), STEP_REWARD, False, False, {"action_mask": self.action_masks()}
