@@ -69,11 +69,16 @@ def _discrete_obs_env():
     return _TinyEnv(spaces.Discrete(2), spaces.Discrete(5))
 
 
+def _dict_obs_env():
+    return _TinyEnv(spaces.Discrete(2), spaces.Dict({"a": spaces.Box(-1, 1, (2,), np.float32)}))
+
+
 _TEST_ENVS = {
     "ppokit_test/MultiBinaryAction-v0": _multibinary_env,
     "ppokit_test/DictAction-v0": _dict_action_env,
     "ppokit_test/MultiDiscreteAction-v0": _multidiscrete_env,
     "ppokit_test/DiscreteObs-v0": _discrete_obs_env,
+    "ppokit_test/DictObs-v0": _dict_obs_env,
 }
 for _id, _fn in _TEST_ENVS.items():
     if _id not in gym.registry:
@@ -349,6 +354,7 @@ def test_check_spaces_supported():
     assert check_spaces(make_vec_env("ppokit_test/MultiDiscreteAction-v0", 2, seed=0)) == "multidiscrete"
     assert check_spaces(make_eval_env("CartPole-v1")) == "discrete"  # a single env works too
     assert check_spaces(make_vec_env(GRIDWORLD_ID, 2, seed=0, vector_mode="native")) == "discrete"
+    assert check_spaces(gym.make("ppokit_test/DiscreteObs-v0")) == "discrete"  # Discrete observations: one-hot
 
 
 @pytest.mark.parametrize(
@@ -356,7 +362,7 @@ def test_check_spaces_supported():
     [
         ("ppokit_test/MultiBinaryAction-v0", "action space MultiBinary"),
         ("ppokit_test/DictAction-v0", "action space Dict"),
-        ("ppokit_test/DiscreteObs-v0", "Box observations.*one-hot"),
+        ("ppokit_test/DictObs-v0", "observation space Dict.*Box.*Discrete"),
     ],
 )
 def test_unsupported_spaces_raise(env_id, pattern):

@@ -11,6 +11,7 @@ import torch
 from . import checkpoint as ckpt
 from .config import PPOConfig
 from .normalize import ObsNormalizer
+from .encoders import BoxEncoder, encoder_from_spec, observation_encoder
 from .policies import ActorCritic, mask_logits
 
 __all__ = ["Agent", "load", "evaluate", "stored_config"]
@@ -37,8 +38,16 @@ class Agent:
             obs_norm.frozen = True
         self.action_low, self.action_high = action_low, action_high
         self.device = next(policy.parameters()).device
+        # How observations become the policy's inputs, as in training (a Box: flattened; Discrete: one-hot).
+        self.encoder = encoder_from_spec(getattr(policy, "obs_encoding", None), policy.obs_dim)
 
     def _obs(self, obs: Any) -> tuple[torch.Tensor, bool]:
+        if not isinstance(self.encoder, BoxEncoder):
+            # A Discrete observation: one int (or a 0-d array) is one observation, a 1-D array a batch.
+            arr = np.asarray(obs)
+            single = arr.ndim == 0
+            x = torch.as_tensor(self.encoder.encode(arr, 1 if single else arr.shape[0]), device=self.device)
+            return x, single
         x = torch.as_tensor(np.asarray(obs, dtype=np.float32), device=self.device)
         # One observation is [obs_dim] (or the env's unflattened shape); anything with a leading batch axis is a batch.
         single = x.dim() == 1 or (x.numel() == self.policy.obs_dim and x.shape[0] != 1)
@@ -130,10 +139,12 @@ def _check_env_fits(policy: ActorCritic, env: Any, env_id: str, spaces: dict | N
     try:
         check_spaces(env)
         kind, dims = action_spec(act_space)
-        obs_dim = int(np.prod(obs_space.shape))
+        obs_dim = observation_encoder(obs_space).flat_dim
     except ValueError as exc:
         raise ValueError(f"{env_id} cannot be used with this policy: {exc}") from None
-    if (obs_dim, kind, list(dims)) == (policy.obs_dim, policy.kind, list(policy.action_dims)):
+    encoding = observation_encoder(obs_space).spec()
+    if (obs_dim, kind, list(dims), encoding) == (policy.obs_dim, policy.kind, list(policy.action_dims),
+                                                 getattr(policy, "obs_encoding", None)):
         return
     if spaces and "observation" in spaces and "action" in spaces:
         run = f"observation space {spaces['observation']} and action space {spaces['action']}"
@@ -193,6 +204,8 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
     try:
         policy = ActorCritic(**state["policy_spec"]).to(device)
         policy.load_state_dict(state["policy"])
+        if encoder_from_spec(policy.obs_encoding, policy.obs_dim).flat_dim != policy.obs_dim:
+            raise ValueError(f"its observation encoding {policy.obs_encoding} does not give {policy.obs_dim} inputs")
     except KeyError as exc:
         raise ckpt.CheckpointError(f"{path} is not a valid ppokit training checkpoint: it has no {exc.args[0]!r} "
                                    "entry") from exc

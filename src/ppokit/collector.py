@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from .buffer import RolloutBuffer
+from .config import ConfigError
+from .encoders import observation_encoder
 from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
 from .normalize import ObsNormalizer, RewardScaler
 from .policies import mask_logits
@@ -57,6 +59,12 @@ class Collector:
         self.obs_norm, self.reward_scaler, self.perf, self.fail = obs_norm, reward_scaler, perf, fail
         self.num_steps, self.num_envs, self.device = num_steps, envs.num_envs, device
         self.obs_dim = policy.obs_dim
+        # Observations enter through the space's encoder (a Box: the plain float32 flatten; Discrete: one-hot).
+        self.encoder = observation_encoder(envs.single_observation_space)
+        if obs_norm is not None and not self.encoder.normalizable:
+            envs.close()  # the run ends before it starts (as the trainer does for its own config errors)
+            raise ConfigError("normalize_obs", f"observation normalization applies to float vector observations; "
+                              f"{envs.single_observation_space} is one-hot encoded: set normalize_obs = false")
         # Gymnasium's autoreset mode decides which steps are transitions and where a truncation bootstraps from.
         self.same_step = autoreset_mode(envs) == gym.vector.AutoresetMode.SAME_STEP
         self.action_bounds: tuple[np.ndarray, np.ndarray] | None = None  # (low, high) of a Box action space
@@ -69,7 +77,7 @@ class Collector:
         self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device, self.mask_dim)
         self.next_mask: np.ndarray | None = None  # [N, n_logits] bool: the actions allowed at next_obs_raw
         N = self.num_envs
-        self.next_obs_raw: np.ndarray | None = None  # [N, obs_dim] float32 (or as reset returned it)
+        self.next_obs_raw: np.ndarray | None = None  # [N, obs_dim] float32, encoded (Discrete: one-hot)
         self.ep_return = np.zeros(N, dtype=np.float64)  # raw, unscaled rewards
         self.ep_length = np.zeros(N, dtype=np.int64)
         self.prev_done = np.zeros(N, dtype=bool)
@@ -127,6 +135,7 @@ class Collector:
         nonfinite = 0
         obs_space = self.envs.single_observation_space
         obs_shape = (N, *obs_space.shape)
+        encode, check_values = self.encoder.encode, self.encoder.check_values  # check_values: None for a Box
         rollout_start = step = global_step  # the step count the last update's state belongs to
         act = self.acting.act
         obs = self.normalize(torch.as_tensor(self.next_obs_raw, device=dev))
@@ -161,10 +170,12 @@ class Collector:
                 raise self.fail(step, rollout_start, exc) from exc
             # The hot path only tests shape and dtype kind of arrays converted anyway; the checks that say what
             # is wrong (a str/object observation, another shape, an array reward) run only when that test fails.
+            checked = False
             try:
                 if not (type(next_obs) is np.ndarray and next_obs.shape == obs_shape
-                        and next_obs.dtype.kind in "biuf"):
-                    next_obs = check_obs_batch(next_obs, N, obs_space, env_id, "step()", step)
+                        and next_obs.dtype.kind in "biuf" and (check_values is None or check_values(next_obs))):
+                    next_obs = check_obs_batch(next_obs, N, obs_space, env_id, "step()", step)  # encoded
+                    checked = True
                 if not (batch_ok(reward, N) and batch_ok(terminated, N) and batch_ok(truncated, N)):
                     reward, terminated, truncated = check_step_batch(reward, terminated, truncated, N, env_id, step)
             except EnvError as exc:
@@ -176,7 +187,8 @@ class Collector:
                     raise self.fail(step, rollout_start, exc, detail=f"action mask: {exc}") from None
             step += N
 
-            next_obs = np.asarray(next_obs, dtype=np.float32).reshape(N, -1)
+            if not checked:
+                next_obs = encode(next_obs, N)  # a Box: np.asarray(next_obs, dtype=np.float32).reshape(N, -1)
             reward = np.asarray(reward, dtype=np.float64)
             terminated = np.asarray(terminated, dtype=bool)
             truncated = np.asarray(truncated, dtype=bool)
@@ -242,9 +254,9 @@ class Collector:
         final_obs = info["final_obs"]
         try:
             if isinstance(final_obs, np.ndarray) and final_obs.dtype != object:
-                final = final_obs[idx].astype(np.float32).reshape(len(idx), -1)  # a batched env's array
+                final = self.encoder.encode(final_obs[idx], len(idx))  # a batched env's array
             else:
-                final = np.stack([np.asarray(final_obs[i], dtype=np.float32).reshape(-1) for i in idx])
+                final = self.encoder.encode_rows([final_obs[i] for i in idx])
             if final.shape[1] != self.obs_dim:
                 raise ValueError(f"final observations of {final.shape[1]} values, expected {self.obs_dim}")
         except Exception as exc:  # noqa: BLE001

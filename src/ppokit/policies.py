@@ -68,11 +68,14 @@ class ActorCritic(nn.Module):
     learned log-std over ``action_dims[0]`` dims).
     """
 
-    def __init__(self, obs_dim: int, kind: str, action_dims: list[int], hidden_sizes: list[int], activation: str = "tanh"):
+    def __init__(self, obs_dim: int, kind: str, action_dims: list[int], hidden_sizes: list[int], activation: str = "tanh",
+                 obs_encoding: dict | None = None):
         super().__init__()
         if kind not in ("discrete", "multidiscrete", "continuous"):
             raise ValueError(f"unsupported action kind {kind!r}")
         self.obs_dim = obs_dim
+        # How env observations become the obs_dim inputs (encoders.encoder_from_spec); None: a flattened Box.
+        self.obs_encoding = obs_encoding
         self.kind = kind
         self.action_dims = list(action_dims)
         self.activation = activation
@@ -153,8 +156,11 @@ class ActorCritic(nn.Module):
 
     def spec(self) -> dict:
         """Constructor arguments, to rebuild the module from a checkpoint."""
-        return {"obs_dim": self.obs_dim, "kind": self.kind, "action_dims": self.action_dims,
+        spec = {"obs_dim": self.obs_dim, "kind": self.kind, "action_dims": self.action_dims,
                 "hidden_sizes": self.hidden_sizes, "activation": self.activation}
+        if self.obs_encoding is not None:  # a Box policy's spec stays what it always was
+            spec["obs_encoding"] = dict(self.obs_encoding)
+        return spec
 
 
 def action_spec(action_space) -> tuple[str, list[int]]:
@@ -177,14 +183,17 @@ def action_spec(action_space) -> tuple[str, list[int]]:
 
 
 def build_policy(observation_space, action_space, hidden_sizes: list[int], activation: str) -> ActorCritic:
-    """An ``ActorCritic`` for single-env Gymnasium spaces (flat Box observations)."""
-    from gymnasium import spaces
+    """An ``ActorCritic`` for single-env Gymnasium spaces: the MLP reads the observation encoder's flat features
+    (a flattened Box, a one-hot Discrete; see ``encoders``)."""
+    from .encoders import observation_encoder
 
-    if not isinstance(observation_space, spaces.Box):
+    try:
+        encoder = observation_encoder(observation_space)
+    except ValueError:
         raise ValueError(f"unsupported observation space {type(observation_space).__name__}: ppokit's MLP policies "
-                         "need a Box observation (wrap Discrete observations with a one-hot wrapper)")
+                         "need a Box or Discrete observation") from None
     kind, dims = action_spec(action_space)
-    return ActorCritic(int(np.prod(observation_space.shape)), kind, dims, hidden_sizes, activation)
+    return ActorCritic(encoder.flat_dim, kind, dims, hidden_sizes, activation, obs_encoding=encoder.spec())
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:

@@ -41,7 +41,7 @@ def _describe_value(value: Any) -> str:
 
 
 def describe_obs(obs: Any, space: Any) -> str | None:
-    """Why one sub-env's observation does not fit ``space`` (a Box), or None when it does."""
+    """Why one sub-env's observation does not fit ``space`` (a Box or Discrete), or None when it does."""
     shape, dtype = getattr(space, "shape", None), getattr(space, "dtype", None)
     expected = f"expected a {dtype} array of shape {shape} ({space})"
     if isinstance(obs, (str, bytes)) or obs is None:
@@ -54,6 +54,21 @@ def describe_obs(obs: Any, space: Any) -> str | None:
         return f"observation of dtype {arr.dtype} ({_short(obs)}), {expected}"
     if shape is not None and arr.shape != tuple(shape):
         return f"observation of shape {arr.shape}, {expected}"
+    encoder = _value_checker(space)
+    if encoder is not None:  # a Discrete observation: an integer in range (it is one-hot encoded)
+        problem = encoder.problem(arr)
+        return None if problem is None else f"{problem} ({space})"
+    return None
+
+
+def _value_checker(space: Any) -> Any:
+    """The one-hot encoder of a Discrete observation space (its values are checked), else None."""
+    from gymnasium import spaces
+
+    if isinstance(space, spaces.Discrete):
+        from ..encoders import observation_encoder
+
+        return observation_encoder(space)
     return None
 
 
@@ -183,7 +198,8 @@ def check_obs_batch(obs: Any, num_envs: int, space: Any, env_id: str, phase: str
     """The batched observation as a flat ``[N, obs_dim]`` float32 array, or an ``EnvError`` saying what is wrong.
 
     The trainer calls this only when the cheap test (an ndarray of the expected shape and a numeric dtype) fails,
-    so well-behaved envs never pay for it; a list or tensor of the right shape is still accepted.
+    so well-behaved envs never pay for it; a list or tensor of the right shape is still accepted. A Discrete
+    observation must hold integers in the space's range and comes back one-hot encoded (``ppokit.encoders``).
     """
     expected = (num_envs, *space.shape)
     try:
@@ -197,6 +213,12 @@ def check_obs_batch(obs: Any, num_envs: int, space: Any, env_id: str, phase: str
     if arr.shape != expected:
         raise env_failure(env_id, phase, global_step, detail=f"returned observations of shape {arr.shape}, "
                           f"expected {expected}: {num_envs} envs x {space}")
+    encoder = _value_checker(space)
+    if encoder is not None:
+        problem = encoder.problem(arr)
+        if problem is not None:
+            raise env_failure(env_id, phase, global_step, detail=f"returned {problem}")
+        return encoder.encode(arr, num_envs)
     return arr.astype(np.float32, copy=False).reshape(num_envs, -1)
 
 

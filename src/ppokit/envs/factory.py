@@ -141,18 +141,16 @@ def check_spaces(env: Any) -> str:
     obs = getattr(env, "single_observation_space", None)
     obs = env.observation_space if obs is None else obs
 
-    if not isinstance(obs, spaces.Box):
-        extra = ""
-        if isinstance(obs, spaces.Discrete):
-            extra = (
-                " A Discrete observation must be one-hot encoded first, e.g. with a wrapper that returns "
-                "a float32 Box of length n."
-            )
+    if isinstance(obs, spaces.Discrete):
+        # One-hot encoded on entry (ppokit.encoders); a Discrete of no values has nothing to encode.
+        if int(obs.n) < 1:
+            raise ValueError(f"Unsupported observation space {obs}: it has no values.")
+    elif not isinstance(obs, spaces.Box):
         raise ValueError(
-            f"Unsupported observation space {obs}: ppokit only supports Box observations "
-            f"(flat vectors or images).{extra}"
+            f"Unsupported observation space {obs}: ppokit supports Box observations (flat vectors or images) and "
+            "Discrete ones (one-hot encoded)."
         )
-    if int(np.prod(obs.shape)) == 0:
+    elif int(np.prod(obs.shape)) == 0:
         # A policy over zero inputs cannot be built (torch fails deep inside with an unrelated message).
         raise ValueError(f"Unsupported observation space {obs}: it has no elements (shape {obs.shape}).")
 
