@@ -159,7 +159,8 @@ def test_rollout_stores_one_hot_rows_and_bootstraps_from_the_encoded_final_obs(t
             assert len(steps) == len(finals) == 4
             with torch.inference_mode():
                 expected = trainer.policy.value(torch.eye(4)[[f - 10 for f in finals]])
-            torch.testing.assert_close(buf.final_values[steps, i], expected, rtol=0, atol=1e-6)  # batch size changes the last bit
+            # atol: the batch size changes the last bit of a matmul
+            torch.testing.assert_close(buf.final_values[steps, i], expected, rtol=0, atol=1e-6)
     finally:
         trainer.envs.close()
 
