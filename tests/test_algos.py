@@ -16,6 +16,8 @@ import ppokit.algos as algos_mod
 from ppokit.algos import ALGOS, TERM_NAMES, Algo, describe_algos, get_algo, loss_terms, register
 from ppokit.config import ConfigError, PPOConfig, load_preset
 from ppokit.epochs import UpdateSettings
+
+from test_variants import _tiny_config as _variants_tiny_config  # the gridworld preset cut to a few updates
 from ppokit.mlp_backward import supports, unsupported_reason
 from ppokit.policies import ActorCritic
 from ppokit.trainer import Trainer, train
@@ -181,14 +183,7 @@ def test_fused_support_reads_the_registry(monkeypatch):
 
 
 def _tiny_config(tmp_path, algo, updates=3, **kw):
-    cfg = load_preset("gridworld")
-    cfg.algo = algo
-    cfg.total_timesteps = cfg.batch_size * updates
-    cfg.tensorboard = False
-    cfg.run_dir = str(tmp_path / algo)
-    for k, v in kw.items():
-        setattr(cfg, k, v)
-    return cfg
+    return _variants_tiny_config(tmp_path, algo, updates=updates, **kw)
 
 
 @pytest.mark.parametrize("name, epochs, minibatches, target_kl", [

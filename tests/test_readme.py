@@ -113,4 +113,10 @@ def test_python_block_runs_as_written(index, tmp_path, monkeypatch):
     # As a user would paste it: in a fresh directory (runs/ is created there), no substitutions.
     monkeypatch.chdir(tmp_path)
     source = blocks("python")[index]
-    exec(compile(source, f"README.md python block {index + 1}", "exec"), {"__name__": "__readme__"})
+    namespace = {"__name__": "__readme__"}
+    exec(compile(source, f"README.md python block {index + 1}", "exec"), namespace)
+    # It ran as written and did what it says: a trained run, resumed, loaded and evaluated.
+    if "run" in namespace:
+        assert (namespace["run"].run_dir / "checkpoint.pt").is_file()
+        assert namespace["run"].global_step > 10_000  # the resume went on past the first 10k steps
+    assert namespace, "the block defined nothing"
