@@ -27,7 +27,6 @@ Statistics (the rules the table and figures use):
 from __future__ import annotations
 
 import concurrent.futures as cf
-import csv
 import json
 import math
 import multiprocessing
@@ -41,8 +40,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import schema as S
-from .algos import ALGOS
 from .config import ConfigError, PPOConfig, _coerce
+from .experiment_outputs import (KL_EXPLODED, KL_WARN, adapts_kl_beta, plot_beta, plot_clipfrac, plot_kl,
+                                 plot_returns, plot_stability, summary_table, write_summary_csv)
+from .experiment_stats import REACH_WINDOW, interpolate_curves, mean_ci, steps_to_threshold, t_quantile_975
+from .experiment_stats import tail_mean as _tail_mean
+from .experiment_stats import tail_std as _tail_std
 
 __all__ = [
     "RunSpec",
@@ -65,96 +68,11 @@ __all__ = [
 ]
 
 DONE_NAME = "DONE"
-KL_WARN = S.KL_WARN  # approx KL above this: large policy steps for eps = 0.2
-KL_EXPLODED = S.KL_ALERT  # above this the update has left the trust region ("KL blew up")
-REACH_WINDOW = 5  # updates averaged when deciding that a run reached the return threshold
 FINAL_FRACTION = 0.10
 STABILITY_FRACTION = 0.20
 # Fields that identify a run rather than configure it; sweeping them makes no sense.
 _NOT_SWEEPABLE = ("seed", "run_dir")
 
-# t(0.975, df) for df = 1..30 (standard two-sided 95% table values).
-_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
-         2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555,
-         2.0518, 2.0484, 2.0452, 2.0423)
-
-
-# ====================================================================== statistics
-def t_quantile_975(df: int) -> float:
-    """Student-t 0.975 quantile for ``df`` degrees of freedom (table up to 30, Cornish-Fisher expansion above)."""
-    if df < 1:
-        return math.nan
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959963984540054
-    # Fourth-order Cornish-Fisher expansion around the normal quantile; error < 1e-5 for df > 30.
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-
-
-def mean_ci(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% CI) of the finite values: ``t(0.975, n-1) * std(ddof=1) / sqrt(n)``."""
-    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
-    if x.size == 0:
-        return math.nan, math.nan
-    if x.size == 1:
-        return float(x[0]), math.nan
-    return float(x.mean()), float(t_quantile_975(x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
-
-
-def steps_to_threshold(steps: Sequence[float], returns: Sequence[float], episodes: Sequence[float] | None,
-                       threshold: float, window: int = REACH_WINDOW) -> float | None:
-    """Env step of the first update whose trailing ``window``-update mean return is >= ``threshold``, else None.
-
-    The mean weights each update's return by its finished-episode count (``episodes``; equal weights if None) and
-    skips updates where no episode finished; the window must hold ``window`` updates.
-    """
-    n = len(steps)
-    eps = [1.0] * n if episodes is None else list(episodes)
-    for i in range(window - 1, n):
-        num = den = 0.0
-        for j in range(i - window + 1, i + 1):
-            r, e = returns[j], eps[j]
-            if math.isfinite(r) and math.isfinite(e) and e > 0:
-                num += r * e
-                den += e
-        if den > 0 and num / den >= threshold:
-            return float(steps[i])
-    return None
-
-
-def _tail_mean(values: Sequence[float], fraction: float) -> float:
-    k = max(1, math.ceil(fraction * len(values)))
-    tail = [v for v in values[-k:] if math.isfinite(v)]
-    return float(np.mean(tail)) if tail else math.nan
-
-
-def _tail_std(values: Sequence[float], fraction: float) -> float:
-    k = max(1, math.ceil(fraction * len(values)))
-    tail = [v for v in values[-k:] if math.isfinite(v)]
-    return float(np.std(tail)) if tail else math.nan
-
-
-def interpolate_curves(curves: Sequence[tuple[Sequence[float], Sequence[float]]], points: int = 200
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Put ``(steps, values)`` curves on one step grid spanning the range all cover; returns (grid, [n, points]).
-
-    Non-finite values are dropped before the linear interpolation. A curve with no finite value gives NaNs.
-    """
-    clean = []
-    for xs, ys in curves:
-        pts = [(x, y) for x, y in zip(xs, ys) if math.isfinite(x) and math.isfinite(y)]
-        clean.append((np.array([p[0] for p in pts]), np.array([p[1] for p in pts])))
-    have = [c for c in clean if c[0].size]
-    if not have:
-        return np.zeros(0), np.zeros((len(curves), 0))
-    lo = max(c[0][0] for c in have)
-    hi = min(c[0][-1] for c in have)
-    if hi < lo:
-        hi = lo
-    grid = np.linspace(lo, hi, points if hi > lo else 1)
-    rows = [np.interp(grid, xs, ys) if xs.size else np.full(grid.shape, np.nan) for xs, ys in clean]
-    return grid, np.vstack(rows)
 
 
 def default_threshold(env_id: str) -> float | None:
@@ -493,182 +411,6 @@ def summarize(results: Sequence[SettingResult], threshold: float | None) -> list
     return rows
 
 
-# ====================================================================== figures
-_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
-           "tab:olive", "tab:cyan")
-
-
-def _figure(title: str, ylabel: str, xlabel: str = "environment steps"):
-    from .plots import _new_figure
-
-    fig = _new_figure(figsize=(7.0, 4.2), dpi=100, layout="constrained")
-    ax = fig.subplots()
-    ax.set_title(title, fontsize=11)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.25)
-    return fig, ax
-
-
-def _band(ax, grid: np.ndarray, rows: np.ndarray, color: str, label: str, log: bool = False) -> None:
-    n = np.sum(np.isfinite(rows), axis=0)
-    mean = np.nanmean(rows, axis=0) if rows.size else rows
-    ax.plot(grid, mean, color=color, lw=1.6, label=label)
-    if rows.shape[0] > 1:
-        std = np.nanstd(rows, axis=0, ddof=1)
-        t = np.array([t_quantile_975(int(k) - 1) if k > 1 else np.nan for k in n])
-        half = t * std / np.sqrt(np.maximum(n, 1))
-        lo = mean - half
-        if log:
-            lo = np.maximum(lo, mean * 0.05)
-        ax.fill_between(grid, lo, mean + half, color=color, alpha=0.18, lw=0)
-
-
-def plot_returns(results: Sequence[SettingResult], path: Path, title: str, threshold: float | None = None) -> Path:
-    """Mean episodic return vs env steps per setting, shaded 95% CI over seeds (common interpolated step grid)."""
-    fig, ax = _figure(title, "episodic return")
-    lo, hi = math.inf, -math.inf
-    for i, res in enumerate(results):
-        if not res.seeds:
-            continue
-        grid, rows = interpolate_curves([(s.steps, s.returns) for s in res.seeds])
-        if grid.size:
-            _band(ax, grid, rows, _COLORS[i % len(_COLORS)], f"{res.setting} (n={len(res.seeds)})")
-            if np.isfinite(rows).any():
-                lo, hi = min(lo, float(np.nanmin(rows))), max(hi, float(np.nanmax(rows)))
-    if threshold is not None and math.isfinite(lo):
-        lo, hi = min(lo, threshold), max(hi, threshold)
-    if math.isfinite(lo) and hi > lo:
-        # Axis limits follow the seeds' own range: with few seeds the t-based band can be much wider.
-        pad = 0.05 * (hi - lo)
-        ax.set_ylim(lo - pad, hi + pad)
-    if threshold is not None:
-        ax.axhline(threshold, color="0.3", ls=":", lw=1.0, label=f"threshold {threshold:g}")
-    ax.legend(fontsize=8, loc="best")
-    fig.savefig(path, format="png")
-    return path
-
-
-def _per_update(results: Sequence[SettingResult], attr: str, path: Path, title: str, ylabel: str,
-                log: bool, hlines: Sequence[tuple[float, str, str]] = ()) -> Path:
-    fig, ax = _figure(title, ylabel)
-    for i, res in enumerate(results):
-        if not res.seeds:
-            continue
-        n = min(len(s.steps) for s in res.seeds)
-        grid = np.asarray(res.seeds[0].steps[:n], dtype=np.float64)
-        rows = np.vstack([np.asarray(getattr(s, attr)[:n], dtype=np.float64) for s in res.seeds])
-        if log:
-            rows = np.where(rows > 0, rows, np.nan)
-        if np.isfinite(rows).any():
-            _band(ax, grid, rows, _COLORS[i % len(_COLORS)], res.setting, log=log)
-    for y, color, label in hlines:
-        ax.axhline(y, color=color, ls="--", lw=1.0, label=label)
-    if log:
-        ax.set_yscale("log")
-    ax.legend(fontsize=8, loc="best")
-    fig.savefig(path, format="png")
-    return path
-
-
-def plot_kl(results: Sequence[SettingResult], path: Path, title: str) -> Path:
-    """Mean KL of each update (k3, after the update vs before, whole batch; log scale, 95% CI band), lines at
-    0.02 and 0.1."""
-    return _per_update(results, "kl", path, title, "KL moved per update (k3 after vs before, log scale)", True,
-                       [(KL_WARN, "tab:orange", f"{KL_WARN:g} (large step)"),
-                        (KL_EXPLODED, "tab:red", f"{KL_EXPLODED:g} (blown up)")])
-
-
-def plot_clipfrac(results: Sequence[SettingResult], path: Path, title: str) -> Path:
-    """Mean clip fraction (share of samples with |r-1| > eps) per update per setting."""
-    return _per_update(results, "clipfrac", path, title, "clip fraction per update", False)
-
-
-def _adapts_kl_beta(algo: str) -> bool:
-    """True for an algo whose penalty beta moves between updates (ppo-kl): only its runs have a beta curve. A
-    sweep read back from disk may name an algo this process has not registered; it has no curve."""
-    registered = ALGOS.get(algo)
-    return registered is not None and registered.adapts_kl_beta
-
-
-def plot_beta(results: Sequence[SettingResult], path: Path, title: str) -> Path:
-    """PPO-KL's adaptive penalty coefficient beta per update (log scale), ppo-kl settings only."""
-    kl_only = [r for r in results if _adapts_kl_beta(r.algo)]
-    return _per_update(kl_only, "kl_beta", path, title, "KL penalty beta (log scale)", True)
-
-
-def plot_stability(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
-    """Bar per setting of the mean stability (std of return over the last 20%), seeds drawn as points."""
-    fig, ax = _figure(title, "std of episodic return, last 20% of updates", xlabel="")
-    rng = np.random.default_rng(0)
-    for i, row in enumerate(rows):
-        vals = [v for v in row["per_seed_stability"] if math.isfinite(v)]
-        color = _COLORS[i % len(_COLORS)]
-        ax.bar(i, np.mean(vals) if vals else 0.0, color=color, alpha=0.45, width=0.6)
-        ax.scatter(i + rng.uniform(-0.12, 0.12, len(vals)), vals, color=color, edgecolor="black", s=22, zorder=3)
-    ax.set_xticks(range(len(rows)), [r["setting"] for r in rows])
-    fig.savefig(path, format="png")
-    return path
-
-
-# ====================================================================== outputs
-_CSV_SKIP = ("per_seed_final", "per_seed_steps", "per_seed_stability")
-
-
-def write_summary_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """``summary.csv``: one row per setting (swept values as columns, per-seed lists left out)."""
-    cols: list[str] = []
-    for row in rows:
-        for k in row:
-            if k not in cols and k not in _CSV_SKIP:
-                cols.append(k)
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(cols)
-        for row in rows:
-            w.writerow([_csv_cell(row.get(c, "")) for c in cols])
-    return path
-
-
-def _csv_cell(v: Any) -> str:
-    if isinstance(v, float):
-        return "" if math.isnan(v) else repr(v)
-    if isinstance(v, list):
-        return ",".join(map(str, v))
-    return str(v)
-
-
-def _pm(mean: float, ci: float, fmt: str = ".3g") -> str:
-    if not math.isfinite(mean):
-        return "–"
-    return f"{mean:{fmt}}" + (f" ± {ci:{fmt}}" if math.isfinite(ci) else "")
-
-
-def summary_table(rows: Sequence[dict[str, Any]], title: str, compare: bool = False):
-    """The rich table printed at the end of a sweep / compare."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("setting")
-    table.add_column("final return\n(mean ± 95% CI)", justify="right")
-    table.add_column("steps to threshold\n(median; reached)", justify="right")
-    table.add_column("max KL", justify="right")
-    table.add_column(f"KL > {KL_EXPLODED:g}\n(seeds)", justify="right")
-    if compare:
-        table.add_column("stability\n(std, last 20%)", justify="right")
-        table.add_column("no clipping\nneeded (updates)", justify="right")
-    for r in rows:
-        med = r["steps_to_threshold_median"]
-        steps = med if isinstance(med, str) else f"{med:,.0f}"
-        cells = [r["setting"], _pm(r["final_return_mean"], r["final_return_ci95"]),
-                 f"{steps} ({r['reached_seeds']}/{r['n_seeds']})", f"{r['max_kl']:.3g}",
-                 f"{'yes' if r['kl_exploded'] else 'no'} ({r['kl_exploded_seeds']}/{r['n_seeds']})"]
-        if compare:
-            cells += [_pm(r["stability_std_mean"], r["stability_std_ci95"]), f"{r['no_clip_update_frac']:.0%}"]
-        table.add_row(*cells)
-    return table
-
-
 def write_outputs(specs: Sequence[RunSpec], out: str | Path, threshold: float | None, compare: bool = False,
                   console: Any = None) -> list[dict[str, Any]]:
     """Aggregate the grid's runs into ``out``: figures, ``summary.csv`` and a printed table; return the rows."""
@@ -684,7 +426,7 @@ def write_outputs(specs: Sequence[RunSpec], out: str | Path, threshold: float | 
     plot_clipfrac(results, out / "clipfrac.png", f"clip fraction per update ({tag})")
     if compare:
         plot_stability(rows, out / "stability.png", f"stability: std of return over the last 20% ({tag})")
-        if any(_adapts_kl_beta(r.algo) for r in results):
+        if any(adapts_kl_beta(r.algo) for r in results):
             plot_beta(results, out / "beta.png", f"PPO-KL penalty beta per update ({tag})")
     write_summary_csv(rows, out / "summary.csv")
     if console is not None:
