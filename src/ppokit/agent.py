@@ -226,9 +226,7 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
     if env_id is not None or env_fn is not None or (
             policy.kind == "continuous" and not (spaces and "action_low" in spaces) and not stored_only):
         # Build the env only when needed: to check the caller's env, or for old checkpoints' action bounds.
-        from .envs import make_eval_env
-
-        env = make_eval_env(act_env, env_kwargs=_run_kwargs(config, act_env, env_fn), env_fn=env_fn)
+        env = _make_eval_env(act_env, env_kwargs=_run_kwargs(config, act_env, env_fn), env_fn=env_fn)
         act_env = env_fn.name if env_fn is not None else act_env
         try:
             _check_env_fits(policy, env, act_env, spaces)
@@ -252,8 +250,6 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
     loaded for; another env must have the run's spaces. ``env_kwargs`` default to the run's for the run's own
     env id (none for another id). A run trained on a custom env needs that env again unless load() was given it.
     """
-    from .envs import make_eval_env
-
     env_id, env_fn = _custom(env, env_id)
     if env_id is None and env_fn is None:
         env_id, env_fn = agent.env_id, agent.env_fn
@@ -272,7 +268,8 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
         from .config import _coerce
 
         env_kwargs = _coerce("env_kwargs", env_kwargs, strict=True)
-    env = make_eval_env(env_id, render_mode="rgb_array" if video_dir else None, env_kwargs=env_kwargs, env_fn=env_fn)
+    env = _make_eval_env(env_id, render_mode="rgb_array" if video_dir else None, env_kwargs=env_kwargs,
+                         env_fn=env_fn)
     env_id = env_fn.name if env_fn is not None else env_id
     try:
         _check_env_fits(agent.policy, env, env_id, agent.spaces)
@@ -299,6 +296,19 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
     finally:
         env.close()
     return {"mean": float(np.mean(returns)), "std": float(np.std(returns)), "returns": returns, "lengths": lengths}
+
+
+def _make_eval_env(env_id: str | None, render_mode: str | None = None, env_kwargs: dict | None = None,
+                   env_fn: Any = None) -> Any:
+    """One env to evaluate in: ``envs.make_eval_env``, except that an ALE game gets ppokit's Atari stack in its
+    evaluation form (atari.py: the agent sees what it trained on; an episode is one whole game and its return the
+    unclipped game score)."""
+    from .atari import is_atari_id, make_atari_env
+    from .envs import make_eval_env
+
+    if env_fn is None and is_atari_id(env_id):
+        return make_atari_env(env_id, env_kwargs, train=False, render_mode=render_mode)
+    return make_eval_env(env_id, render_mode=render_mode, env_kwargs=env_kwargs, env_fn=env_fn)
 
 
 def _env_mask(env: Any, info: dict, policy: ActorCritic) -> Any:

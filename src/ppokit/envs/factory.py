@@ -81,6 +81,9 @@ def check_env_id(env_id: str) -> None:
     if not isinstance(env_id, str) or not env_id:
         raise ValueError(f"env_id must be a non-empty string, got {env_id!r}")
     _ensure_registered()
+    from ppokit.atari import register_ale
+
+    register_ale(env_id)  # ALE/... ids exist once ale-py is imported (only Atari-looking ids import it)
     module, name = _split_module(env_id)
     if module is not None:
         # "module:Env-v0" registers Env-v0 by importing module (the user named it on the command line).
@@ -141,7 +144,11 @@ def check_spaces(env: Any) -> str:
     obs = getattr(env, "single_observation_space", None)
     obs = env.observation_space if obs is None else obs
 
-    if isinstance(obs, spaces.Discrete):
+    if isinstance(obs, (spaces.Dict, spaces.Tuple)):
+        from ..encoders import observation_encoder
+
+        observation_encoder(obs)  # one encoder per entry (ppokit.encoders); ValueError naming an unsupported one
+    elif isinstance(obs, spaces.Discrete):
         # One-hot encoded on entry (ppokit.encoders); a Discrete of no values has nothing to encode.
         if int(obs.n) < 1:
             raise ValueError(f"Unsupported observation space {obs}: it has no values.")
