@@ -53,6 +53,7 @@ CLI_CASES = [
     *[("seed", "--seed", v) for v in ["-1", "1e999", "4294967296", "1.5"]],
     *[("device", "--device", v) for v in ["cudax", "gpu", "", "cuda:99", "CPU"]],
     *[("torch_threads", "--torch-threads", v) for v in ["0", "1e999", "-2"]],
+    *[("dist_timeout", "--dist-timeout", v) for v in ["0", "-5", "nan", "1e999"]],
     *[("run_dir", "--run-dir", v) for v in ["/dev/null", "{tmp}/a_file", "{tmp}/a_file/below", LONG_NAME,
                                              "{tmp}/" + LONG_NAME + "/x"]],
     *[("log_every", "--log-every", v) for v in ["0", "1e999"]],

@@ -105,6 +105,8 @@ class PPOConfig:
     device: str = _f("cpu", "torch device: cpu, cuda, cuda:N or mps (refused when not available here)")
     torch_threads: int = _f(1, "torch intra-op threads (1 is fastest for small networks; more than the machine's "
                             "CPU cores are capped at the core count with a warning)")
+    dist_timeout: float = _f(60.0, "data-parallel runs (torchrun): seconds a rank waits for the others in a "
+                             "collective before the job fails, naming the lost rank", max=86400.0)
     fused_update: bool = _f(True, "use the fused MLP update path where it applies (autograd otherwise)")
     run_dir: str | None = _f(None, "run directory (default: runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>)")
     log_every: int = _f(10, "print a metrics table every this many updates")
@@ -160,6 +162,8 @@ class PPOConfig:
             if top is not None and value is not None:
                 need(value <= top, f.name, f"must be <= {top:g} (larger values are a typo, not a setting), "
                                            f"got {_show(value)}")
+        need(math.isfinite(self.dist_timeout) and self.dist_timeout > 0, "dist_timeout",
+             f"must be a positive number of seconds, got {_show(self.dist_timeout)}")
         need(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")
         need(0 < self.gamma <= 1, "gamma", f"must be in (0, 1], got {self.gamma}")
         need(0 <= self.gae_lambda <= 1, "gae_lambda", f"must be in [0, 1], got {self.gae_lambda}")

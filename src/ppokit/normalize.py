@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -25,6 +25,9 @@ class RunningMeanStd:
         # count starts at 0 (not a small epsilon) so the statistics equal the exact
         # population mean/var of everything seen; the first merge then copies the batch.
         self.count = torch.zeros((), dtype=torch.float64, device=self.device)
+        # Data-parallel training (distributed.Dist.merge_moments): (n, batch mean, batch var) -> the same three
+        # over every rank's batch, so that every rank keeps, and normalizes with, the same statistics.
+        self.reduce: Callable[[int, torch.Tensor, torch.Tensor], tuple[int, torch.Tensor, torch.Tensor]] | None = None
 
     def update(self, batch: Any) -> None:
         """Merge a batch [B, *shape] into the running statistics."""
@@ -32,10 +35,14 @@ class RunningMeanStd:
         if x.shape[1:] != self.shape:
             raise ValueError(f"expected a batch of shape [B, {', '.join(map(str, self.shape))}], got {tuple(x.shape)}")
         n = x.shape[0]
-        if n == 0:
+        if n == 0 and self.reduce is None:
             return
         batch_mean = x.mean(dim=0)
         batch_var = x.var(dim=0, unbiased=False)
+        if self.reduce is not None:  # every rank takes part, even with an empty batch
+            n, batch_mean, batch_var = self.reduce(n, batch_mean, batch_var)
+            if n == 0:
+                return
         total = self.count + n
         delta = batch_mean - self.mean
         # Merging sums of squared deviations is stable where sum(x^2) - n*mean^2 would cancel.

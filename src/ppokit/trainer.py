@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
+from . import distributed
 from .advantages import gae
 from .algos import Algo, adapt_kl_beta, get_algo  # adapt_kl_beta: ppo-kl's rule, importable from here as before
 from .acting import ActingKernel
@@ -94,13 +95,16 @@ class Trainer:
         # env: None (config.env_id), a registered id, a zero-arg factory or a gymnasium.Env (see train()).
         config, self.custom_env = resolve_env(env, config)
         self.config = cfg = config.validate()
+        # Under torchrun: this rank's place in the job (rank 0 alone writes the run dir); else the identity.
+        self.dist = distributed.current(cfg.dist_timeout, cfg.device)
+        # Per process, so per rank: torchrun sets OMP_NUM_THREADS only when it starts several ranks per node.
         torch.set_num_threads(usable_threads(cfg.torch_threads))  # capped at the core count, with a warning
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(self.dist.device(cfg.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device", "CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
         if cfg.vector_mode != "envpool" and self.custom_env is None:  # envpool checks its own task list
             check_env_id(cfg.env_id)
-        seed_everything(cfg.seed)
+        seed_everything(self.dist.seed(cfg.seed))
 
         # Environments and the policy pi_theta.
         self.envs = make_train_envs(cfg, self.custom_env)
@@ -152,8 +156,11 @@ class Trainer:
         from . import rundir
 
         self.run_dir = Path(run_dir or cfg.run_dir or default_run_dir(cfg))
+        if not self.dist.is_main:
+            self.run_dir, console_enabled = self.dist.scratch_dir(), False
         try:
-            self._claim = rundir.claim(self.run_dir, resume=resume_state is not None, overwrite=overwrite)
+            self._claim = rundir.claim(self.run_dir, resume=resume_state is not None and self.dist.is_main,
+                                       overwrite=overwrite)
         except BaseException:
             self.envs.close()
             raise
@@ -165,16 +172,22 @@ class Trainer:
                     "This run was started with --unsafe; it breaks these guard rails:\n"
                     + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
 
-            self.collector.reset(cfg.seed)
-            self.envs.action_space.seed(cfg.seed)
+            env_seed = self.dist.env_seed(cfg.seed, cfg.num_envs)  # cfg.seed in one process
+            self.collector.reset(env_seed)
+            self.envs.action_space.seed(env_seed)
             if resume_state is not None:
-                self._load_state(resume_state)
+                self._load_state(self.dist.resume_state(resume_state))
+                self.dist.reseed_after_resume(cfg.seed, self.update_idx)
                 # What the killed run logged after its checkpoint is logged again from here: drop the old copy.
                 notes += rundir.trim_to_checkpoint(self.run_dir, self.update_idx, self.global_step)
+            # Where the run ends: config.num_updates in one process; total_timesteps counts every rank's steps.
+            self.num_updates, self.end_step = self.dist.schedule(cfg.total_timesteps, cfg.batch_size,
+                                                                 self.update_idx, self.global_step)
             rundir.update_latest_link(self.run_dir)
             # The bar's end is the last update's step, which total_timesteps need not be a multiple of.
-            self.logger = MetricsLogger(self.run_dir, cfg.num_updates * cfg.batch_size, log_every=cfg.log_every,
-                                        tensorboard=cfg.tensorboard, console=console_enabled, console_obj=console,
+            self.logger = MetricsLogger(self.run_dir, self.end_step, log_every=cfg.log_every,
+                                        tensorboard=cfg.tensorboard and self.dist.is_main, console=console_enabled,
+                                        console_obj=console,
                                         hparams=cfg.to_dict() if resume_state is None else None,
                                         resume_step=self.global_step if resume_state is not None else None)
         except BaseException:
@@ -193,6 +206,8 @@ class Trainer:
             for note in notes:
                 self.logger.console.print(Text(f"note: {note}"))
         self.metrics: list[dict[str, float]] = []
+        # Every rank starts from rank 0's weights and merges the normalizers' statistics (no-op in one process).
+        self.dist.prepare(self.policy, self.acting, [self.obs_norm, self.reward_scaler])
         if cfg.unsafe:
             self.logger.alert(self.global_step, "warn", "unsafe_run",
                               "run started with --unsafe: " + "; ".join(r for _, r in cfg.guard_rail_violations()))
@@ -206,8 +221,10 @@ class Trainer:
         start_step = self.global_step
         saved_update = self.update_idx  # the update the run dir's checkpoint holds (none yet counts as current)
         try:
-            while self.update_idx < cfg.num_updates and not self._stop_requested and not self._solved:
-                frac = 1.0 - self.update_idx / cfg.num_updates
+            while self.update_idx < self.num_updates and not self._stop_requested and not self._solved:
+                # By steps: the same fraction as update / num_updates, and continuous when a resume changes the
+                # number of ranks (global_step counts every rank's steps).
+                frac = 1.0 - self.global_step / self.end_step
                 lr = cfg.learning_rate * frac if cfg.anneal_lr else cfg.learning_rate
                 clip_coef = cfg.clip_coef * frac if cfg.anneal_clip else cfg.clip_coef
                 for group in self.optimizer.param_groups:
@@ -224,12 +241,14 @@ class Trainer:
                 # 3. K epochs of minibatch updates
                 t0 = time.perf_counter()
                 step = FusedStep(self.optimizer) if self.fused else AutogradStep(self.policy, self.optimizer)
-                stats = ppo_epochs(batch, self.update_settings(clip_coef), step)
-                kl_after = self.batch_kl(batch)  # how far this update moved pi_theta from pi_old
+                settings = self.dist.agree_minibatches(self.update_settings(clip_coef), len(batch))
+                stats = ppo_epochs(batch, settings, step, sync=self.dist.sync)  # sync: None in one process
+                kl_after = self.dist.mean(self.batch_kl(batch))  # how far this update moved pi_theta from pi_old
                 if self.algo.after_update is not None:  # ppo-kl: the adaptive penalty's beta rule
                     self.kl_beta = self.algo.after_update(self.kl_beta, kl_after, cfg)
                 self.perf["update"] += time.perf_counter() - t0
                 self.update_idx += 1
+                self.dist.after_update(self.policy, self.update_idx)
 
                 # 4. Log
                 t0 = time.perf_counter()
@@ -239,7 +258,7 @@ class Trainer:
                     # Evaluation gate: a cheap deterministic evaluation that ends the run once it is solved.
                     metrics[S.EVAL_RETURN] = float("nan")
                     if self.update_idx % cfg.eval_every == 0:
-                        metrics[S.EVAL_RETURN] = self.evaluate_gate()
+                        metrics[S.EVAL_RETURN] = self.dist.from_main(self.evaluate_gate)
                         self._solved = metrics[S.EVAL_RETURN] >= cfg.eval_threshold
                 self.metrics.append(metrics)
                 self.logger.log(self.global_step, metrics)
@@ -248,17 +267,18 @@ class Trainer:
 
                 # 5. Checkpoint. The row above is written first; a run killed before this save logs the update
                 # again when resumed, and the resume drops the old row (rundir.trim_to_checkpoint).
-                stopping = self._stop_requested  # read once: a Ctrl-C landing after this is handled below
+                # Read once: a Ctrl-C landing after this is handled below. Every rank stops when one is asked to.
+                stopping = self._stop_requested = self.dist.any(self._stop_requested)
                 if stopping:
                     self._note_interrupt()
-                if (stopping or self.update_idx % cfg.save_every == 0 or self.update_idx == cfg.num_updates
-                        or self._solved):
+                if self.dist.is_main and (stopping or self.update_idx % cfg.save_every == 0
+                                          or self.update_idx == self.num_updates or self._solved):
                     self.save()
                     saved_update = self.update_idx
                 self.perf["logging"] += time.perf_counter() - t0
             if self._stop_requested:
                 self._note_interrupt()
-                if saved_update != self.update_idx:
+                if saved_update != self.update_idx and self.dist.is_main:
                     self.save()
         except BaseException:
             # A crash or a second Ctrl-C: the last checkpoint stands (writes are atomic); free the run dir.
@@ -277,7 +297,7 @@ class Trainer:
         """Fill the buffer with ``num_steps`` steps of every env (``collector.Collector``); returns (finished
         episodes, non-finite steps)."""
         episodes, nonfinite = self.collector.collect(self.global_step)
-        self.global_step += self.config.num_steps * self.config.num_envs
+        self.global_step += self.config.num_steps * self.config.num_envs * self.dist.world_size
         return episodes, nonfinite
 
     @property
@@ -305,7 +325,7 @@ class Trainer:
         if unsaved is None:  # after an update, step 5 of the loop saved it when update % save_every == 0
             unsaved = self.update_idx > 0 and self.update_idx % cfg.save_every != 0
         path = self.run_dir / CHECKPOINT_NAME
-        if unsaved:
+        if unsaved and self.dist.is_main:
             failed_step = self.global_step
             self.global_step = rollout_start  # the step count this learner state belongs to
             try:
@@ -428,6 +448,9 @@ class Trainer:
             S.ADVANTAGE_STD: float(batch.advantages.std()) if len(batch) > 1 else nan,
             S.SPS: (self.global_step - start_step) / elapsed,
         }
+        # Data-parallel: the episode and batch diagnostics over every rank's data ({} in one process).
+        m.update(self.dist.diagnostics(episodes, batch.values_old, batch.returns, rewards, batch.advantages,
+                                       nonfinite_env, m[S.ADVANTAGES_NONFINITE]))
         total = sum(self.perf.values()) or 1.0
         for phase in PERF_PHASES:
             m[S.perf_time(phase)] = self.perf[phase]
@@ -454,7 +477,7 @@ class Trainer:
             lines["solved"] = (f"evaluation return {self.metrics[-1][S.EVAL_RETURN]:.1f} >= "
                                f"{self.config.eval_threshold} at update {self.update_idx}; stopped early")
         try:
-            if self.metrics:
+            if self.metrics and self.dist.is_main:
                 from .plots import plot_curves
 
                 # Titled by plots.run_title: env id, algo, seed and run dir name ("UNSAFE run:" first if unsafe).

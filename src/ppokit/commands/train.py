@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +111,10 @@ def add_parser(sub) -> None:
                    help="allow importing MODULE for a 'MODULE:Env-v0' env id that comes from a file (--config, or "
                         "the checkpoint of --resume); an id typed with --env needs no permission (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no live console output (files are still written)")
+    p.add_argument("--nproc", type=int, default=None, metavar="K",
+                   help="data-parallel training in K processes on this machine: re-launches this command under "
+                        "torchrun --standalone --nproc_per_node=K (num_envs is per process, total_timesteps for "
+                        "all of them; see the README's Data-parallel training)")
     add_config_flags(p)
     p.set_defaults(handler=run)
 
@@ -124,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     # The config is resolved and validated before torch is imported (1-2 s): a bad value is refused at once.
     config = source = total = None
     try:
+        if args.nproc is not None and args.nproc < 1:
+            raise ValueError(f"--nproc must be a positive number of processes, got {args.nproc}")
         if args.resume:
             total = _resume_total(args)
         else:
@@ -136,9 +143,17 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
 
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # one of torchrun's ranks
+    if args.nproc is not None and args.nproc > 1 and not launched:
+        return _launch(args)  # before torch is imported: this process only waits for torchrun
+
+    from ppokit import distributed
     from ppokit.checkpoint import CheckpointError
     from ppokit.envs.errors import EnvError
 
+    # Under torchrun every rank runs this; rank 0 alone speaks (and writes the run dir).
+    if os.environ.get("RANK", "0") != "0":
+        err = Console(stderr=True, quiet=True)
     try:
         if args.resume:
             from ppokit.trainer import resume
@@ -171,12 +186,58 @@ def run(args: argparse.Namespace) -> int:
         # Environment problems (unknown id, unsupported spaces) surface as ValueError before training starts.
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
+    except distributed.DistributedError as exc:
+        # A rank was lost or timed out; the checkpoints rank 0 wrote are whole (atomic writes). Every rank says it.
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 1
     except KeyboardInterrupt:
         # The second Ctrl-C (the first one finishes the update and saves): the last checkpoint is intact.
         err.print("aborted by a second Ctrl-C; the run dir keeps its last checkpoint", highlight=False)
         return 130
-    print(f"run dir: {result.run_dir}")
+    finally:
+        if launched:
+            distributed.shutdown()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run dir: {result.run_dir}")
     return 130 if result.interrupted else 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``--nproc K``: run this same command as K ranks under torchrun on this machine; its exit code.
+
+    torchrun (``python -m torch.distributed.run``) picks a free port (--standalone), starts the ranks, and when
+    one of them fails stops the others and names the failed rank. For several machines run torchrun directly
+    (README: Data-parallel training)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "ppokit", "train", *_child_argv(args)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:  # torchrun forwarded it to the ranks, which save and exit
+        return 130
+
+
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    """The ``ppokit train`` arguments that reproduce ``args`` (without --nproc), for every rank."""
+    from ppokit.config import PPOConfig
+
+    argv: list[str] = []
+    for name in ("preset", "config", "resume"):
+        if getattr(args, name) is not None:
+            argv.append(f"--{name}={getattr(args, name)}")
+    argv += ["--overwrite"] * bool(args.overwrite) + ["--quiet"] * bool(args.quiet)
+    argv += [f"--import-module={m}" for m in args.import_module]
+    for f in dataclasses.fields(PPOConfig):
+        value, flag = getattr(args, f.name, None), f.name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv.append(f"--{flag}={value}")
+    return argv
 
 
 def _resume_total(args: argparse.Namespace) -> int | None:
