@@ -27,21 +27,6 @@ __all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "diagnostics_plan", "MI
 MIN_UPDATES = 50
 
 # Published settings; each entry: (id patterns, source, field values, base preset or None).
-_CLEANRL_MUJOCO = {
-    "num_envs": 1, "num_steps": 2048, "learning_rate": 3e-4, "anneal_lr": True, "gamma": 0.99, "gae_lambda": 0.95,
-    "num_minibatches": 32, "update_epochs": 10, "clip_coef": 0.2, "clip_vloss": True, "ent_coef": 0.0,
-    "vf_coef": 0.5, "max_grad_norm": 0.5, "normalize_obs": True, "normalize_reward": True, "norm_adv": True,
-}
-_CLEANRL_ATARI = {
-    "num_envs": 8, "num_steps": 128, "learning_rate": 2.5e-4, "anneal_lr": True, "gamma": 0.99, "gae_lambda": 0.95,
-    "num_minibatches": 4, "update_epochs": 4, "clip_coef": 0.1, "clip_vloss": True, "ent_coef": 0.01,
-    "vf_coef": 0.5, "max_grad_norm": 0.5, "norm_adv": True,
-}
-_RLZOO_LUNAR = {
-    "num_envs": 16, "num_steps": 1024, "learning_rate": 3e-4, "anneal_lr": False, "gamma": 0.999,
-    "gae_lambda": 0.98, "num_minibatches": 256, "update_epochs": 4, "clip_coef": 0.2, "ent_coef": 0.01,
-    "vf_coef": 0.5, "max_grad_norm": 0.5, "norm_adv": True,
-}
 _MUJOCO_NAMES = ("HalfCheetah", "Hopper", "Walker2d", "Ant", "Humanoid", "HumanoidStandup", "Swimmer", "Reacher",
                  "InvertedPendulum", "InvertedDoublePendulum", "Pusher")
 
@@ -50,10 +35,11 @@ KNOWN: list[tuple[tuple[str, ...], str, dict[str, Any], str | None]] = [
     (("Acrobot-v1",), "the acrobot preset = RL-Zoo's tuned PPO hyperparameters for Acrobot-v1", {}, "acrobot"),
     (("Pendulum-v1",), "ppokit's pendulum preset (RL-Zoo's gamma 0.9, lr 1e-3, 10 epochs, no entropy bonus; 512-step rollouts "
      "and reward scaling in place of RL-Zoo's gSDE exploration)", {}, "pendulum"),
-    (("LunarLander-v3", "LunarLander-v2"), "RL-Zoo's tuned PPO hyperparameters for LunarLander", _RLZOO_LUNAR, None),
-    (tuple(f"{n}-v*" for n in _MUJOCO_NAMES), "CleanRL ppo_continuous_action.py defaults (MuJoCo benchmark)",
-     _CLEANRL_MUJOCO, None),
-    (("ALE/*", "*NoFrameskip-v4"), "CleanRL ppo_atari.py defaults (Atari benchmark)", _CLEANRL_ATARI, None),
+    (("LunarLander-v3", "LunarLander-v2"), "the lunarlander preset = RL-Zoo's tuned PPO hyperparameters for "
+     "LunarLander", {}, "lunarlander"),
+    (tuple(f"{n}-v*" for n in _MUJOCO_NAMES), "the mujoco preset = CleanRL ppo_continuous_action.py defaults "
+     "(MuJoCo benchmark)", {}, "mujoco"),
+    (("ALE/*", "*NoFrameskip-v4"), "the atari preset = CleanRL ppo_atari.py defaults (Atari benchmark)", {}, "atari"),
 ]
 
 
