@@ -10,9 +10,9 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import PPOConfig
-from .normalize import ObsNormalizer
-from .encoders import BoxEncoder, encoder_from_spec, observation_encoder
-from .policies import ActorCritic, mask_logits
+from .normalize import ObsNormalizer, make_obs_normalizer
+from .encoders import BoxEncoder, DictEncoder, ImageEncoder, encoder_from_spec, obs_to_tensor, observation_encoder
+from .policies import ActorCritic, PolicySpecError, mask_logits, policy_from_spec
 
 __all__ = ["Agent", "load", "evaluate", "stored_config"]
 
@@ -41,7 +41,24 @@ class Agent:
         # How observations become the policy's inputs, as in training (a Box: flattened; Discrete: one-hot).
         self.encoder = encoder_from_spec(getattr(policy, "obs_encoding", None), policy.obs_dim)
 
-    def _obs(self, obs: Any) -> tuple[torch.Tensor, bool]:
+    def _obs(self, obs: Any) -> tuple[Any, bool]:
+        if isinstance(self.encoder, (ImageEncoder, DictEncoder)):
+            # An image is one observation as (H, W, C) / (C, H, W), a batch with a leading axis; a Dict/Tuple is
+            # one observation when its first entry has the space's shape.
+            if isinstance(self.encoder, ImageEncoder):
+                arr = np.asarray(obs)
+                if arr.ndim not in (3, 4) or arr.shape[-3:] != self.encoder.shape:
+                    raise ValueError(f"image observation of shape {arr.shape}, the policy expects "
+                                     f"{self.encoder.shape} or a batch [B, {', '.join(map(str, self.encoder.shape))}]")
+                n = None if arr.ndim == 3 else arr.shape[0]
+                batch = arr if n is not None else arr[None]
+            else:
+                n = self.encoder.batch_size(obs)
+                batch = obs if n is not None else _add_batch_axis(obs, self.encoder)
+            x = obs_to_tensor(self.encoder.encode(batch, 1 if n is None else n), self.device)
+            if self.obs_norm is not None:
+                x = self.obs_norm.normalize(x)
+            return x, n is None
         if not isinstance(self.encoder, BoxEncoder):
             # A Discrete observation: one int (or a 0-d array) is one observation, a 1-D array a batch.
             arr = np.asarray(obs)
@@ -64,10 +81,13 @@ class Agent:
         ``info["action_mask"]``) keeps masked actions from being chosen, as in training."""
         x, single = self._obs(obs)
         mask = None
+        if action_mask is None and isinstance(self.encoder, DictEncoder):
+            action_mask = self.encoder.mask(obs)  # a Dict observation's "action_mask" entry (PettingZoo)
         if action_mask is not None:
             if self.policy.kind == "continuous":
                 raise ValueError("action_mask applies to Discrete and MultiDiscrete actions, not continuous ones")
-            mask = torch.as_tensor(np.asarray(action_mask) != 0, device=x.device).reshape(x.shape[0], -1)
+            rows = len(next(iter(x.values()))) if isinstance(x, dict) else x.shape[0]
+            mask = torch.as_tensor(np.asarray(action_mask) != 0, device=self.device).reshape(rows, -1)
             if mask.shape[1] != sum(self.policy.action_dims):
                 raise ValueError(f"action_mask has {mask.shape[1]} entries per observation, expected "
                                  f"{sum(self.policy.action_dims)}")
@@ -84,6 +104,13 @@ class Agent:
         with torch.inference_mode():
             v = self.policy.value(x).cpu().numpy()
         return float(v[0]) if single else v
+
+
+def _add_batch_axis(obs: Any, encoder: DictEncoder) -> Any:
+    """One Dict/Tuple observation as a batch of one (each entry gets a leading axis)."""
+    if encoder.tuple_space:
+        return tuple(np.asarray(v)[None] for v in obs)
+    return {k: np.asarray(v)[None] for k, v in obs.items()}
 
 
 def stored_config(state: dict, path: str | Path, allow_import: Any = (), env: Any = None,
@@ -202,20 +229,22 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
     config = stored_config(state, path, allow_import, env=given, need_env=False)
     custom = state.get("custom_env") if isinstance(state.get("custom_env"), dict) else None
     try:
-        policy = ActorCritic(**state["policy_spec"]).to(device)
+        policy = policy_from_spec(state["policy_spec"]).to(device)  # the registered type ("type"; none: MLP)
         policy.load_state_dict(state["policy"])
         if encoder_from_spec(policy.obs_encoding, policy.obs_dim).flat_dim != policy.obs_dim:
             raise ValueError(f"its observation encoding {policy.obs_encoding} does not give {policy.obs_dim} inputs")
     except KeyError as exc:
         raise ckpt.CheckpointError(f"{path} is not a valid ppokit training checkpoint: it has no {exc.args[0]!r} "
                                    "entry") from exc
+    except PolicySpecError as exc:
+        raise ckpt.CheckpointError(f"{path} cannot be loaded: {exc}") from exc
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ckpt.CheckpointError(f"{path} holds a policy that does not fit its policy_spec "
                                    f"({describe_policy_spec(state.get('policy_spec'))}): {ckpt.one_line(exc)}") from exc
     obs_norm = None
     if state.get("obs_norm") is not None:
-        obs_norm = ObsNormalizer((policy.obs_dim,), device=device)
         try:
+            obs_norm = make_obs_normalizer(encoder_from_spec(policy.obs_encoding, policy.obs_dim), device)
             obs_norm.load_state_dict(state["obs_norm"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise ckpt.CheckpointError(f"{path} has an unusable observation normalizer: {ckpt.one_line(exc)}") from exc

@@ -2,11 +2,15 @@
 
 Written once per step during the rollout and read once per update; nothing is reallocated between rollouts and
 nothing is copied from numpy storage at update time (the observations land here as tensors as they arrive).
+The observation storage takes its shapes and dtypes from the observation encoder (``encoders``): a flat
+``[T, N, obs_dim]`` float32 tensor, uint8 ``[T, N, C, H, W]`` for an image (bytes, not floats), or a dict of
+such tensors, one per key, for a Dict/Tuple observation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,7 +27,8 @@ class RolloutBuffer:
     autoreset mode, where the observation returned is already the next episode's.
     """
 
-    obs: Tensor  # [T, N, obs_dim] float32, normalized as the policy saw it
+    # [T, N, obs_dim] float32, normalized as the policy saw it | [T, N, C, H, W] uint8 | {key: one of those}
+    obs: Any
     actions: Tensor  # [T, N] long (discrete) | [T, N, k] long (multidiscrete) | [T, N, D] float (continuous)
     logp: Tensor  # [T, N]
     values: Tensor  # [T, N] V(s_t) at acting time
@@ -38,18 +43,27 @@ class RolloutBuffer:
     masks: Tensor | None = None
 
     @classmethod
-    def allocate(cls, num_steps: int, num_envs: int, obs_dim: int, action_shape: tuple[int, ...],
+    def allocate(cls, num_steps: int, num_envs: int, obs_dim: int | tuple | dict, action_shape: tuple[int, ...],
                  action_dtype: torch.dtype, device: torch.device | str,
                  mask_dim: int | None = None) -> "RolloutBuffer":
         """Zeroed storage for ``num_steps x num_envs`` transitions on ``device`` (action masks of ``mask_dim``
-        columns when given)."""
+        columns when given). ``obs_dim`` is a flat size (float32), or an encoder's ``layout()``: ``(shape,
+        dtype)`` of one observation, or a dict of those (one tensor per key)."""
         T, N = num_steps, num_envs
 
         def z(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
+        def obs(layout: Any) -> Any:
+            if isinstance(layout, dict):
+                return {key: obs(part) for key, part in layout.items()}
+            if isinstance(layout, int):
+                return z(T, N, layout)
+            shape, dtype = layout
+            return z(T, N, *shape, dtype=dtype)
+
         return cls(
-            obs=z(T, N, obs_dim),
+            obs=obs(obs_dim),
             actions=z(T, N, *action_shape, dtype=action_dtype),
             logp=z(T, N),
             values=z(T, N),

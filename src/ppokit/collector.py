@@ -29,7 +29,7 @@ import torch
 
 from .buffer import RolloutBuffer
 from .config import ConfigError
-from .encoders import observation_encoder
+from .encoders import MASK_KEY, obs_copy_, obs_index, obs_map, obs_to_tensor, observation_encoder
 from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
 from .normalize import ObsNormalizer, RewardScaler
 from .policies import mask_logits
@@ -59,12 +59,13 @@ class Collector:
         self.obs_norm, self.reward_scaler, self.perf, self.fail = obs_norm, reward_scaler, perf, fail
         self.num_steps, self.num_envs, self.device = num_steps, envs.num_envs, device
         self.obs_dim = policy.obs_dim
-        # Observations enter through the space's encoder (a Box: the plain float32 flatten; Discrete: one-hot).
+        # Observations enter through the space's encoder (a Box: the plain float32 flatten; Discrete: one-hot;
+        # an image: uint8 CxHxW; Dict/Tuple: a dict of those), and the buffer stores them in its layout.
         self.encoder = observation_encoder(envs.single_observation_space)
         if obs_norm is not None and not self.encoder.normalizable:
             envs.close()  # the run ends before it starts (as the trainer does for its own config errors)
             raise ConfigError("normalize_obs", f"observation normalization applies to float vector observations; "
-                              f"{envs.single_observation_space} is one-hot encoded: set normalize_obs = false")
+                              f"{envs.single_observation_space} is {self.encoder.what}: set normalize_obs = false")
         # Gymnasium's autoreset mode decides which steps are transitions and where a truncation bootstraps from.
         self.same_step = autoreset_mode(envs) == gym.vector.AutoresetMode.SAME_STEP
         self.action_bounds: tuple[np.ndarray, np.ndarray] | None = None  # (low, high) of a Box action space
@@ -74,10 +75,11 @@ class Collector:
         # Masks only for categorical heads: the trainer then runs the autograd update (the fused kernel has none).
         self.masked = policy.kind != "continuous" and action_masks_available(envs)
         self.mask_dim = sum(policy.action_dims) if self.masked else None
-        self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device, self.mask_dim)
+        self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device, self.mask_dim,
+                                      obs_layout=self.encoder.layout())
         self.next_mask: np.ndarray | None = None  # [N, n_logits] bool: the actions allowed at next_obs_raw
         N = self.num_envs
-        self.next_obs_raw: np.ndarray | None = None  # [N, obs_dim] float32, encoded (Discrete: one-hot)
+        self.next_obs_raw: Any = None  # [N, obs_dim] float32, encoded (Discrete: one-hot; image: uint8; Dict: dict)
         self.ep_return = np.zeros(N, dtype=np.float64)  # raw, unscaled rewards
         self.ep_length = np.zeros(N, dtype=np.int64)
         self.prev_done = np.zeros(N, dtype=bool)
@@ -94,7 +96,7 @@ class Collector:
                                             "reset()", 0)
         if self.masked:
             try:
-                self.next_mask = read_action_masks(self.envs, info, self.mask_dim)
+                self.next_mask = read_action_masks(self.envs, info, self.mask_dim, obs=obs)
             except ValueError as exc:
                 raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from None
 
@@ -102,7 +104,7 @@ class Collector:
         """The state carried between rollouts, as a checkpoint's ``loop`` entry (copies; with masks, the mask of
         the next observation too)."""
         state = {
-            "next_obs_raw": torch.from_numpy(self.next_obs_raw.copy()),
+            "next_obs_raw": obs_map(lambda a: torch.from_numpy(a.copy()), self.next_obs_raw),
             "ep_return": torch.from_numpy(self.ep_return.copy()),
             "ep_length": torch.from_numpy(self.ep_length.copy()),
             "prev_done": torch.from_numpy(self.prev_done.copy()),
@@ -113,7 +115,7 @@ class Collector:
 
     def load_loop_state(self, loop: dict[str, torch.Tensor]) -> None:
         """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes)."""
-        self.next_obs_raw = loop["next_obs_raw"].numpy().copy()
+        self.next_obs_raw = obs_map(lambda t: t.numpy().copy(), loop["next_obs_raw"])
         self.ep_return = loop["ep_return"].numpy().copy()
         self.ep_length = loop["ep_length"].numpy().copy()
         self.prev_done = loop["prev_done"].numpy().copy()
@@ -134,18 +136,19 @@ class Collector:
         ep_lengths: list[np.ndarray] = []
         nonfinite = 0
         obs_space = self.envs.single_observation_space
-        obs_shape = (N, *obs_space.shape)
+        obs_shape = (N, *obs_space.shape) if obs_space.shape is not None else None  # None: a Dict/Tuple
         encode, check_values = self.encoder.encode, self.encoder.check_values  # check_values: None for a Box
         rollout_start = step = global_step  # the step count the last update's state belongs to
         act = self.acting.act
-        obs = self.normalize(torch.as_tensor(self.next_obs_raw, device=dev))
+        obs = self.normalize(obs_to_tensor(self.next_obs_raw, dev))
         buf.has_final.zero_()
         t_inference = 0.0
         # Per-step scalars the update needs only after the rollout are gathered on the host and moved to the
         # device in one transfer at the end: rewards, terminated, truncated, valid.
         host = np.zeros((4, self.num_steps, N), dtype=np.float32)
         # Per-step views made once (a tensor __setitem__ per field and step costs more than the copy itself).
-        step_views = list(zip(buf.obs.unbind(0), buf.actions.unbind(0), buf.logp.unbind(0), buf.values.unbind(0)))
+        step_views = list(zip(buf.actions.unbind(0), buf.logp.unbind(0), buf.values.unbind(0)))
+        obs_views = [obs_index(buf.obs, t) for t in range(self.num_steps)]  # each part's [N, ...] view of step t
         for t in range(self.num_steps):
             t0 = time.perf_counter()
             if self.masked:
@@ -156,7 +159,8 @@ class Collector:
             else:
                 with torch.inference_mode():
                     actions, logp, values = act(obs)
-            for dest, src in zip(step_views[t], (obs, actions, logp, values)):
+            obs_copy_(obs_views[t], obs)
+            for dest, src in zip(step_views[t], (actions, logp, values)):
                 dest.copy_(src)
             env_actions = actions.cpu().numpy()
             if self.action_bounds is not None:
@@ -168,6 +172,7 @@ class Collector:
                 next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
             except Exception as exc:  # noqa: BLE001 - any env failure ends the run with one clear line
                 raise self.fail(step, rollout_start, exc) from exc
+            raw_obs = next_obs  # a Dict observation may carry the action mask (read below, after the checks)
             # The hot path only tests shape and dtype kind of arrays converted anyway; the checks that say what
             # is wrong (a str/object observation, another shape, an array reward) run only when that test fails.
             checked = False
@@ -182,7 +187,7 @@ class Collector:
                 raise self.fail(step, rollout_start, exc) from None
             if self.masked:
                 try:
-                    self.next_mask = read_action_masks(self.envs, info, self.mask_dim)
+                    self.next_mask = read_action_masks(self.envs, info, self.mask_dim, obs=raw_obs)
                 except Exception as exc:  # noqa: BLE001 - a bad mask (or a failing action_masks()) ends the run
                     raise self.fail(step, rollout_start, exc, detail=f"action mask: {exc}") from None
             step += N
@@ -194,11 +199,11 @@ class Collector:
             truncated = np.asarray(truncated, dtype=bool)
             # NEXT_STEP autoreset: a step right after an episode end only resets that env; it is no transition.
             valid = ~self.prev_done if not self.same_step else np.ones(N, dtype=bool)
-            bad = ~np.isfinite(next_obs).all(1) | ~np.isfinite(reward)
+            bad = self.encoder.nonfinite(next_obs) | ~np.isfinite(reward)  # a Box: ~np.isfinite(next_obs).all(1)
             if bad.any():
                 # NaN/Inf from the env is detected and never trained on.
                 nonfinite += int(bad.sum())
-                next_obs = np.where(np.isfinite(next_obs), next_obs, 0.0).astype(np.float32)
+                next_obs = self.encoder.zero_nonfinite(next_obs)
                 reward = np.where(np.isfinite(reward), reward, 0.0)
                 valid = valid & ~bad
             done = terminated | truncated
@@ -221,9 +226,10 @@ class Collector:
                                                           torch.as_tensor(done, device=dev))
 
             # One host-to-device transfer per step: the next observation, which the policy needs to act.
-            next_obs_t = torch.as_tensor(next_obs, device=dev)
+            next_obs_t = obs_to_tensor(next_obs, dev)
             if self.obs_norm is not None:
-                self.obs_norm.update(next_obs_t[torch.as_tensor(~bad, device=dev)] if bad.any() else next_obs_t)
+                self.obs_norm.update(obs_index(next_obs_t, torch.as_tensor(~bad, device=dev)) if bad.any()
+                                     else next_obs_t)
             obs = self.normalize(next_obs_t)
             if self.same_step and truncated.any():
                 self._bootstrap_truncated(t, truncated, info, step, rollout_start)
@@ -257,13 +263,14 @@ class Collector:
                 final = self.encoder.encode(final_obs[idx], len(idx))  # a batched env's array
             else:
                 final = self.encoder.encode_rows([final_obs[i] for i in idx])
-            if final.shape[1] != self.obs_dim:
-                raise ValueError(f"final observations of {final.shape[1]} values, expected {self.obs_dim}")
+            if not self.encoder.structured and final.reshape(len(idx), -1).shape[1] != self.obs_dim:
+                raise ValueError(f"final observations of {final.reshape(len(idx), -1).shape[1]} values, expected "
+                                 f"{self.obs_dim}")
         except Exception as exc:  # noqa: BLE001
             raise self.fail(step, rollout_start, exc,
                             detail=f"info['final_obs'] of a truncated episode is unusable: {exc}")
-        final = np.where(np.isfinite(final), final, 0.0).astype(np.float32)
-        final_t = self.normalize(torch.as_tensor(final, device=dev))
+        final = self.encoder.zero_nonfinite(final)
+        final_t = self.normalize(obs_to_tensor(final, dev))
         with torch.inference_mode():
             fv = self.policy.value(final_t)
         idx_t = torch.as_tensor(idx, device=dev)
@@ -318,7 +325,10 @@ def action_masks_available(envs: Any) -> bool:
     method (SB3-contrib's convention) or with an ``action_mask`` attribute (Gymnasium's Taxi, which also sends the
     mask as ``info["action_mask"]``). Decided before the first reset, so the trainer can choose its update path;
     an env that only puts masks in ``info`` without either attribute is not detected, and neither is an async
-    vector env's (its sub-envs live in other processes)."""
+    vector env's (its sub-envs live in other processes). A Dict observation with an ``"action_mask"`` key
+    (PettingZoo's convention) always is."""
+    if MASK_KEY in getattr(getattr(envs, "single_observation_space", None), "spaces", ()):  # a gymnasium Dict
+        return True
     return hasattr(envs, "action_masks") or _sub_env_has(envs, "action_masks") or _sub_env_has(envs, "action_mask")
 
 
@@ -327,13 +337,19 @@ def _sub_env_has(envs: Any, name: str) -> bool:
     return bool(subs) and subs[0].has_wrapper_attr(name)
 
 
-def read_action_masks(envs: Any, info: dict, mask_dim: int) -> np.ndarray:
+def read_action_masks(envs: Any, info: dict, mask_dim: int, obs: Any = None) -> np.ndarray:
     """The ``[N, mask_dim]`` bool masks of the observations a reset or step just returned: ``info["action_mask"]``
     where the envs sent it (rows flagged False by ``info["_action_mask"]`` ask the method or allow every action),
-    else each sub-env's ``action_masks()``. ValueError for a mask of another shape or one that allows no action."""
+    else each sub-env's ``action_masks()``; a Dict observation's ``"action_mask"`` entry (``obs``, the batch the
+    env returned) comes first. ValueError for a mask of another shape or one that allows no action."""
     n = envs.num_envs
     masks = None
-    if isinstance(info, dict) and "action_mask" in info:
+    if hasattr(obs, "keys") and MASK_KEY in obs:
+        raw = np.asarray(obs[MASK_KEY])
+        if raw.size != n * mask_dim:
+            raise ValueError(f"observation['{MASK_KEY}'] has shape {raw.shape}, expected ({n}, {mask_dim})")
+        masks = raw.reshape(n, mask_dim) != 0
+    elif isinstance(info, dict) and "action_mask" in info:
         raw = info["action_mask"]
         if isinstance(raw, np.ndarray) and raw.dtype != object:
             masks = raw.reshape(n, -1) != 0 if raw.size == n * mask_dim else None
@@ -370,15 +386,17 @@ def _one_mask(row: Any, mask_dim: int, i: int) -> np.ndarray:
 
 
 def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.device,
-                    mask_dim: int | None = None) -> RolloutBuffer:
+                    mask_dim: int | None = None, obs_layout: Any = None) -> RolloutBuffer:
     """The rollout buffer for ``policy``'s observations and actions: ``[T, N]`` long actions (discrete),
-    ``[T, N, k]`` long (multidiscrete, k sub-actions), ``[T, N, D]`` float32 (continuous)."""
+    ``[T, N, k]`` long (multidiscrete, k sub-actions), ``[T, N, D]`` float32 (continuous); observations in the
+    encoder's ``obs_layout`` (default: ``policy.obs_dim`` float32 features)."""
     if policy.kind == "continuous":
         action_shape: tuple[int, ...] = (policy.action_dims[0],)
     else:
         action_shape = () if policy.kind == "discrete" else (len(policy.action_dims),)
     action_dtype = torch.float32 if policy.kind == "continuous" else torch.long
-    return RolloutBuffer.allocate(num_steps, num_envs, policy.obs_dim, action_shape, action_dtype, device, mask_dim)
+    return RolloutBuffer.allocate(num_steps, num_envs, policy.obs_dim if obs_layout is None else obs_layout,
+                                  action_shape, action_dtype, device, mask_dim)
 
 
 def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int,
@@ -393,14 +411,14 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
     mask_dim = sum(policy.action_dims)
     try:
         obs, info = envs.reset(seed=seed)
-        mask = read_action_masks(envs, info, mask_dim) if masked else None
+        mask = read_action_masks(envs, info, mask_dim, obs=obs) if masked else None
         obs = check_obs_batch(obs, n, space, env_id, "evaluation reset()", global_step)
     except Exception as exc:  # noqa: BLE001
         raise fail("evaluation reset()", exc) from exc
     device = next(policy.parameters()).device
     total, running = np.zeros(n), np.ones(n, dtype=bool)
     for _ in range(max_steps):
-        obs_t = torch.as_tensor(obs, device=device)
+        obs_t = obs_to_tensor(obs, device)
         with torch.inference_mode():
             head = actor(normalize(obs_t))
             if mask is not None:
@@ -411,8 +429,8 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
             actions = np.clip(actions, *action_bounds)
         try:
             obs, reward, terminated, truncated, info = envs.step(actions)
+            mask = read_action_masks(envs, info, mask_dim, obs=obs) if masked else None
             obs = check_obs_batch(obs, n, space, env_id, "evaluation step()", global_step)
-            mask = read_action_masks(envs, info, mask_dim) if masked else None
             reward, terminated, truncated = check_step_batch(reward, terminated, truncated, n, env_id, global_step,
                                                              "evaluation step()")
         except Exception as exc:  # noqa: BLE001

@@ -38,7 +38,7 @@ from .schema import KL_STOP_FACTOR  # noqa: E402
 class Batch:
     """A flat batch of ``B`` transitions (the rollout's valid steps, time and env axes merged)."""
 
-    obs: Tensor  # [B, obs_dim]
+    obs: Any  # [B, obs_dim] float32 | [B, C, H, W] uint8 | {key: [B, ...]} (a Dict/Tuple observation)
     actions: Tensor  # [B] | [B, k] | [B, D]
     logp_old: Tensor  # [B] log pi_old(a|s), frozen at rollout time
     values_old: Tensor  # [B] V at rollout time (for value clipping)
@@ -47,11 +47,12 @@ class Batch:
     action_mask: Tensor | None = None  # [B, n_logits] bool, the actions allowed at acting time (masked envs only)
 
     def __len__(self) -> int:
-        return self.obs.shape[0]
+        return self.logp_old.shape[0]
 
     def index(self, idx: Tensor) -> "Batch":
-        """The minibatch at row indices ``idx``."""
-        return Batch(self.obs[idx], self.actions[idx], self.logp_old[idx], self.values_old[idx],
+        """The minibatch at row indices ``idx`` (every part of a Dict observation)."""
+        obs = {k: v[idx] for k, v in self.obs.items()} if isinstance(self.obs, dict) else self.obs[idx]
+        return Batch(obs, self.actions[idx], self.logp_old[idx], self.values_old[idx],
                      self.advantages[idx], self.returns[idx],
                      None if self.action_mask is None else self.action_mask[idx])
 
@@ -170,7 +171,7 @@ def ppo_epochs(batch: Batch, settings: UpdateSettings, step: UpdateStep, sync: S
     with step.update(batch, settings):
         for epoch in range(settings.update_epochs):
             epochs_run = epoch + 1
-            perm = torch.randperm(B, device=batch.obs.device, generator=generator)
+            perm = torch.randperm(B, device=batch.logp_old.device, generator=generator)
             for mb in step.minibatches(perm, sizes):
                 step.backward(mb)
                 if sync is not None:

@@ -1,4 +1,10 @@
-"""Running observation normalisation and reward scaling, batched on a torch device."""
+"""Running observation normalisation and reward scaling, batched on a torch device.
+
+Observation normalization takes its shapes from the observation encoder (``make_obs_normalizer``): a flat float
+vector gets one ``ObsNormalizer``; a Dict/Tuple observation a ``PartsObsNormalizer`` that standardizes its float
+vector parts only (images keep their bytes, which the model scales by 1/255; one-hot codes stay codes); an
+observation with no float vector part at all (an image, a one-hot Discrete) is refused with a config error.
+"""
 
 from __future__ import annotations
 
@@ -190,3 +196,55 @@ class RewardScaler:
             self.returns = _as_tensor(returns, self.device, torch.float64).clone()
         else:
             self.returns = torch.zeros(self.num_envs, dtype=torch.float64, device=self.device)
+
+
+class PartsObsNormalizer:
+    """``ObsNormalizer`` per float vector part of a Dict/Tuple observation; the other parts pass unchanged.
+
+    Same interface as ``ObsNormalizer`` on dicts of ``[N, ...]`` tensors; its state is ``{key: ObsNormalizer
+    state}`` for the normalized keys.
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], clip: float = 10.0, eps: float = 1e-8,
+                 device: str | torch.device = "cpu"):
+        self.parts = {key: ObsNormalizer(shape, clip, eps, device) for key, shape in shapes.items()}
+        self._frozen = False
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self._frozen = bool(value)
+        for part in self.parts.values():
+            part.frozen = self._frozen
+
+    def update(self, obs: dict[str, Any]) -> None:
+        for key, part in self.parts.items():
+            part.update(obs[key])
+
+    def normalize(self, obs: dict[str, Any]) -> dict[str, Any]:
+        return {key: self.parts[key].normalize(v) if key in self.parts else v for key, v in obs.items()}
+
+    __call__ = normalize
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {key: part.state_dict() for key, part in self.parts.items()}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        if set(state) != set(self.parts):
+            raise ValueError(f"observation normalizer parts {sorted(state)} do not match {sorted(self.parts)}")
+        for key, part in self.parts.items():
+            part.load_state_dict(state[key])
+
+
+def make_obs_normalizer(encoder: Any, device: str | torch.device = "cpu") -> ObsNormalizer | PartsObsNormalizer:
+    """The observation normalizer for an ``encoders`` encoder; ValueError when nothing in it is a float vector."""
+    if not encoder.normalizable:
+        raise ValueError(f"observation normalization applies to float vector observations; this one is "
+                         f"{encoder.what}")
+    if encoder.structured:
+        return PartsObsNormalizer({key: (part.flat_dim,) for key, part in encoder.parts.items() if part.normalizable},
+                                  device=device)
+    return ObsNormalizer((encoder.flat_dim,), device=device)

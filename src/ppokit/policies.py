@@ -1,4 +1,11 @@
-"""Actor-critic MLP policies and their action distributions.
+"""The policy protocol and registry, the flat-MLP actor-critic and the action distributions all policies share.
+
+``Policy`` is what the trainer, the collector, checkpoints and ``Agent`` ask of a policy; ``register_policy``
+names a policy class so that ``policy_from_spec`` rebuilds it from the ``spec()`` a checkpoint stores (its
+``"type"``; a spec without one, as every checkpoint before the registry wrote, is an ``ActorCritic``).
+``build_policy`` picks the class from the observation space: a flat observation (a Box vector, a one-hot
+Discrete) gets the MLP ``ActorCritic`` below (the fused update and acting kernels apply to it); an image or a
+Dict/Tuple observation gets ``networks.EncoderActorCritic`` (a CNN/MLP trunk; autograd update and acting).
 
 The three policies of PPO are kept apart by construction: ``ActorCritic`` is pi_theta (the module being
 optimized); pi_old is never a module but the ``logp_old`` tensor frozen into the rollout buffer at acting time
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -20,7 +28,9 @@ from torch import Tensor, nn
 
 from .objectives import categorical_entropy, gaussian_entropy
 
-__all__ = ["ActorCritic", "build_policy", "frozen_copy", "layer_init", "mask_logits", "ACTIVATIONS", "MASKED_LOGIT"]
+__all__ = ["ActorCritic", "Policy", "PolicyBase", "PolicySpecError", "build_policy", "frozen_copy", "layer_init",
+           "mask_logits", "policy_from_spec", "policy_types", "register_policy", "spec_type", "ACTIVATIONS",
+           "MASKED_LOGIT", "DEFAULT_POLICY_TYPE"]
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -60,36 +70,108 @@ def mlp(in_dim: int, hidden: list[int], out_dim: int, activation: str, out_gain:
     return nn.Sequential(*layers)
 
 
-class ActorCritic(nn.Module):
-    """Separate actor and critic MLPs over a flat observation.
+@runtime_checkable
+class Policy(Protocol):
+    """What ppokit asks of a policy (pi_theta). ``obs`` is what the observation encoder makes of a batch: a
+    ``[B, obs_dim]`` float tensor, a ``[B, C, H, W]`` uint8 image tensor, or a dict of such parts.
 
-    ``kind`` is ``discrete`` (categorical over ``action_dims[0]`` actions), ``multidiscrete`` (independent
-    categoricals, one per entry of ``action_dims``) or ``continuous`` (diagonal Gaussian with a state-independent
-    learned log-std over ``action_dims[0]`` dims).
+    Attributes: ``kind`` (``discrete`` | ``multidiscrete`` | ``continuous``), ``action_dims``, ``obs_dim`` (the
+    encoded observation's element count), ``obs_encoding`` (the encoder's spec, None for a flat Box). ``actor(obs)``
+    (the head: logits or Gaussian mean) and ``sample(head, deterministic)`` serve the critic-free evaluation gate.
     """
 
-    def __init__(self, obs_dim: int, kind: str, action_dims: list[int], hidden_sizes: list[int], activation: str = "tanh",
-                 obs_encoding: dict | None = None):
+    kind: str
+    action_dims: list[int]
+    obs_dim: int
+
+    def act(self, obs: Any, deterministic: bool = False,
+            action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(actions, logp [B], values [B])``; masked actions (bool ``[B, n_logits]``, False) never sampled."""
+
+    def evaluate(self, obs: Any, actions: Tensor,
+                 action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logp_new [B], entropy [B], values [B])`` of stored ``actions`` (under the stored mask)."""
+
+    def value(self, obs: Any) -> Tensor:
+        """State values ``[B]``."""
+
+    def spec(self) -> dict:
+        """Constructor arguments plus ``"type"`` (the registered name): ``policy_from_spec`` rebuilds it."""
+
+
+class PolicySpecError(ValueError):
+    """A stored policy spec this ppokit cannot rebuild (an unknown type, missing or wrong arguments)."""
+
+
+DEFAULT_POLICY_TYPE = "actor_critic"  # what a spec without "type" is (every checkpoint before the registry)
+_POLICY_TYPES: dict[str, type] = {}
+
+
+def register_policy(name: str, cls: type) -> type:
+    """Register ``cls`` under ``name``: ``policy_from_spec`` builds ``cls(**spec_without_type)``. A name taken by
+    another class is refused (a checkpoint's type must always mean the same network)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a policy type name must be a non-empty string, got {name!r}")
+    known = _POLICY_TYPES.get(name)
+    if known is not None and known is not cls:
+        raise ValueError(f"policy type {name!r} is already registered to {known.__qualname__}")
+    _POLICY_TYPES[name] = cls
+    return cls
+
+
+def policy_types() -> list[str]:
+    """The registered policy type names."""
+    from . import networks  # noqa: F401 - registers the encoder policies
+
+    return sorted(_POLICY_TYPES)
+
+
+def spec_type(spec: dict) -> str:
+    """The registered type a spec names (``DEFAULT_POLICY_TYPE`` when it names none)."""
+    return spec.get("type", DEFAULT_POLICY_TYPE)
+
+
+def policy_from_spec(spec: Any) -> nn.Module:
+    """The policy ``spec`` describes (weights freshly initialized: load the state dict next). PolicySpecError for
+    a type this version does not know or arguments its class refuses."""
+    from . import __version__
+
+    if not isinstance(spec, dict):
+        raise PolicySpecError(f"a policy spec must be a dict, got {type(spec).__name__}")
+    name = spec_type(spec)
+    known = policy_types()
+    cls = _POLICY_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise PolicySpecError(f"policy type {name!r} is not known to ppokit {__version__} (known: "
+                              f"{', '.join(known)}); it was written by a newer ppokit or needs the code that "
+                              "registers it (ppokit.policies.register_policy) imported first")
+    kwargs = {k: v for k, v in spec.items() if k != "type"}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # an argument the class does not take, or one missing
+        raise PolicySpecError(f"policy spec of type {name!r} does not fit {cls.__qualname__}: {exc}") from None
+
+
+class PolicyBase(nn.Module):
+    """The action distribution every policy shares: categorical (``discrete``), independent categoricals
+    (``multidiscrete``) or a diagonal Gaussian with a state-independent learned ``log_std`` (``continuous``,
+    created by the subclass so that its parameter order is its own), plus masking of categorical heads."""
+
+    def __init__(self, kind: str, action_dims: list[int]):
         super().__init__()
         if kind not in ("discrete", "multidiscrete", "continuous"):
             raise ValueError(f"unsupported action kind {kind!r}")
-        self.obs_dim = obs_dim
-        # How env observations become the obs_dim inputs (encoders.encoder_from_spec); None: a flattened Box.
-        self.obs_encoding = obs_encoding
         self.kind = kind
         self.action_dims = list(action_dims)
-        self.activation = activation
-        self.hidden_sizes = list(hidden_sizes)
-        n_out = sum(action_dims) if kind != "continuous" else action_dims[0]
-        self.actor = mlp(obs_dim, hidden_sizes, n_out, activation, out_gain=0.01)
-        self.critic = mlp(obs_dim, hidden_sizes, 1, activation, out_gain=1.0)
-        if kind == "continuous":
-            self.log_std = nn.Parameter(torch.zeros(action_dims[0]))
+        self.n_out = sum(self.action_dims) if kind != "continuous" else self.action_dims[0]
 
-    # ------------------------------------------------------------------ distribution pieces
-    def value(self, obs: Tensor) -> Tensor:
-        """State values ``[B, obs_dim] -> [B]``."""
-        return self.critic(obs).squeeze(-1)
+    def apply_mask(self, head: Tensor, action_mask: Tensor | None) -> Tensor:
+        """``head`` with ``action_mask`` applied (categorical heads only); ``head`` itself without a mask."""
+        if action_mask is None:
+            return head
+        if self.kind == "continuous":
+            raise ValueError("action masks apply to Discrete and MultiDiscrete actions, not to continuous ones")
+        return mask_logits(head, action_mask)
 
     def log_prob_entropy(self, head: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
         """Log-probability of ``actions`` and entropy from the actor's output ``head``; both ``[B]``."""
@@ -127,15 +209,38 @@ class ActorCritic(nn.Module):
                 picks.append((chunk - torch.log(-torch.log(u))).argmax(-1))
         return picks[0] if self.kind == "discrete" else torch.stack(picks, -1)
 
+
+
+class ActorCritic(PolicyBase):
+    """Separate actor and critic MLPs over a flat observation (registered as ``"actor_critic"``).
+
+    ``kind`` is ``discrete`` (categorical over ``action_dims[0]`` actions), ``multidiscrete`` (independent
+    categoricals, one per entry of ``action_dims``) or ``continuous`` (diagonal Gaussian with a state-independent
+    learned log-std over ``action_dims[0]`` dims).
+    """
+
+    def __init__(self, obs_dim: int, kind: str, action_dims: list[int], hidden_sizes: list[int], activation: str = "tanh",
+                 obs_encoding: dict | None = None):
+        super().__init__(kind, action_dims)
+        self.obs_dim = obs_dim
+        # How env observations become the obs_dim inputs (encoders.encoder_from_spec); None: a flattened Box.
+        self.obs_encoding = obs_encoding
+        self.activation = activation
+        self.hidden_sizes = list(hidden_sizes)
+        # Created in this order (actor, critic, log_std): the parameter order FlatAdam and checkpoints rely on.
+        self.actor = mlp(obs_dim, hidden_sizes, self.n_out, activation, out_gain=0.01)
+        self.critic = mlp(obs_dim, hidden_sizes, 1, activation, out_gain=1.0)
+        if kind == "continuous":
+            self.log_std = nn.Parameter(torch.zeros(action_dims[0]))
+
+    def value(self, obs: Tensor) -> Tensor:
+        """State values ``[B, obs_dim] -> [B]``."""
+        return self.critic(obs).squeeze(-1)
+
     # ------------------------------------------------------------------ the two calls PPO makes
     def masked_head(self, obs: Tensor, action_mask: Tensor | None = None) -> Tensor:
         """The actor's output for ``obs`` with ``action_mask`` applied (categorical heads only)."""
-        head = self.actor(obs)
-        if action_mask is None:
-            return head
-        if self.kind == "continuous":
-            raise ValueError("action masks apply to Discrete and MultiDiscrete actions, not to continuous ones")
-        return mask_logits(head, action_mask)
+        return self.apply_mask(self.actor(obs), action_mask)
 
     def act(self, obs: Tensor, deterministic: bool = False,
             action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -156,8 +261,8 @@ class ActorCritic(nn.Module):
 
     def spec(self) -> dict:
         """Constructor arguments, to rebuild the module from a checkpoint."""
-        spec = {"obs_dim": self.obs_dim, "kind": self.kind, "action_dims": self.action_dims,
-                "hidden_sizes": self.hidden_sizes, "activation": self.activation}
+        spec = {"type": DEFAULT_POLICY_TYPE, "obs_dim": self.obs_dim, "kind": self.kind,
+                "action_dims": self.action_dims, "hidden_sizes": self.hidden_sizes, "activation": self.activation}
         if self.obs_encoding is not None:  # a Box policy's spec stays what it always was
             spec["obs_encoding"] = dict(self.obs_encoding)
         return spec
@@ -182,18 +287,22 @@ def action_spec(action_space) -> tuple[str, list[int]]:
         "one-dimensional Box actions")
 
 
-def build_policy(observation_space, action_space, hidden_sizes: list[int], activation: str) -> ActorCritic:
-    """An ``ActorCritic`` for single-env Gymnasium spaces: the MLP reads the observation encoder's flat features
-    (a flattened Box, a one-hot Discrete; see ``encoders``)."""
+register_policy(DEFAULT_POLICY_TYPE, ActorCritic)
+
+
+def build_policy(observation_space, action_space, hidden_sizes: list[int], activation: str) -> nn.Module:
+    """The policy for single-env Gymnasium spaces, chosen by the observation encoder (see ``encoders``): an
+    ``ActorCritic`` MLP over a flat encoding (a flattened Box, a one-hot Discrete), else an
+    ``networks.EncoderActorCritic`` (image: the Nature CNN; Dict/Tuple: a CNN per image, an MLP over the rest)."""
     from .encoders import observation_encoder
 
-    try:
-        encoder = observation_encoder(observation_space)
-    except ValueError:
-        raise ValueError(f"unsupported observation space {type(observation_space).__name__}: ppokit's MLP policies "
-                         "need a Box or Discrete observation") from None
+    encoder = observation_encoder(observation_space)  # ValueError naming the space (or part) it cannot encode
     kind, dims = action_spec(action_space)
-    return ActorCritic(encoder.flat_dim, kind, dims, hidden_sizes, activation, obs_encoding=encoder.spec())
+    if not encoder.structured and encoder.layout()[1] == torch.float32:
+        return ActorCritic(encoder.flat_dim, kind, dims, hidden_sizes, activation, obs_encoding=encoder.spec())
+    from .networks import EncoderActorCritic
+
+    return EncoderActorCritic(encoder.spec(), kind, dims, hidden_sizes, activation)
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:

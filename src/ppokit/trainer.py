@@ -31,7 +31,9 @@ from .monitor import Monitor, episode_time_limit
 from .normalize import ObsNormalizer, RewardScaler
 from .objectives import explained_variance
 from .resources import check_memory, usable_threads
-from .policies import ActorCritic, build_policy
+from .encoders import obs_index, obs_map, observation_encoder
+from .normalize import make_obs_normalizer
+from .policies import ActorCritic, build_policy, spec_type
 from .epochs import Batch, UpdateSettings, ppo_epochs
 from .flat_adam import FlatAdam
 from .fused_step import FusedStep
@@ -127,7 +129,8 @@ class Trainer:
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5,
                                               **_adam_kwargs(self.device))
         # Normalization statistics (saved in checkpoints, frozen at evaluation).
-        self.obs_norm = ObsNormalizer((self.obs_dim,), device=self.device) if cfg.normalize_obs else None
+        # Observation normalization standardizes the float vector parts (images and one-hot codes are left alone).
+        self.obs_norm = self._obs_normalizer() if cfg.normalize_obs else None
         self.reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma, device=self.device) if cfg.normalize_reward else None
 
         # Counters (the per-env episode bookkeeping is the collector's).
@@ -376,7 +379,9 @@ class Trainer:
         advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,
                                   cfg.gamma, cfg.gae_lambda)
         B = cfg.batch_size
-        flat = dict(obs=buf.obs.reshape(B, self.obs_dim), actions=buf.actions.reshape(B, *buf.actions.shape[2:]),
+        # [T, N, ...] -> [B, ...] (every part of a Dict observation; a flat one: [B, obs_dim])
+        flat = dict(obs=obs_map(lambda x: x.reshape(B, *x.shape[2:]), buf.obs),
+                    actions=buf.actions.reshape(B, *buf.actions.shape[2:]),
                     logp_old=buf.logp.reshape(B), values_old=buf.values.reshape(B),
                     advantages=advantages.reshape(B), returns=returns.reshape(B))
         if buf.masks is not None:
@@ -384,8 +389,18 @@ class Trainer:
         valid = buf.valid.reshape(B)
         if not bool(valid.all()):
             keep = valid.nonzero().squeeze(-1)
-            flat = {k: v[keep] for k, v in flat.items()}
+            flat = {k: obs_index(v, keep) for k, v in flat.items()}
         return Batch(**flat), advantages, returns
+
+    def _obs_normalizer(self) -> Any:
+        """The observation normalizer for this env's observations; ConfigError when none of it is a float vector."""
+        space = self.envs.single_observation_space
+        encoder = observation_encoder(space)
+        if not encoder.normalizable:
+            self.envs.close()  # the run ends before it starts
+            raise ConfigError("normalize_obs", f"observation normalization applies to float vector observations; "
+                              f"{space} is {encoder.what}: set normalize_obs = false")
+        return make_obs_normalizer(encoder, self.device)
 
     def update_settings(self, clip_coef: float) -> UpdateSettings:
         """This update's settings, with the algo's schedule overrides (a2c: one gradient step on the whole batch)."""
@@ -569,6 +584,8 @@ class Trainer:
         if "policy_spec" not in state:
             raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no 'policy_spec' entry")
         saved_spec, spec = state["policy_spec"], self.policy.spec()
+        if isinstance(saved_spec, dict):  # a spec without "type" (before the registry) is an ActorCritic's
+            saved_spec = {"type": spec_type(saved_spec), **saved_spec}
         if saved_spec != spec:
             raise ckpt.CheckpointError(
                 f"{path} holds a policy for {describe_policy_spec(saved_spec)}, but {self.config.env_id} with this "

@@ -43,6 +43,10 @@ def _describe_value(value: Any) -> str:
 def describe_obs(obs: Any, space: Any) -> str | None:
     """Why one sub-env's observation does not fit ``space`` (a Box or Discrete), or None when it does."""
     shape, dtype = getattr(space, "shape", None), getattr(space, "dtype", None)
+    encoder = _value_checker(space)
+    if encoder is not None and encoder.structured:  # one Dict/Tuple observation
+        problem = encoder.problem(obs)
+        return None if problem is None else f"{problem} ({space})"
     expected = f"expected a {dtype} array of shape {shape} ({space})"
     if isinstance(obs, (str, bytes)) or obs is None:
         return f"observation {_describe_value(obs)}, {expected}"
@@ -54,20 +58,20 @@ def describe_obs(obs: Any, space: Any) -> str | None:
         return f"observation of dtype {arr.dtype} ({_short(obs)}), {expected}"
     if shape is not None and arr.shape != tuple(shape):
         return f"observation of shape {arr.shape}, {expected}"
-    encoder = _value_checker(space)
-    if encoder is not None:  # a Discrete observation: an integer in range (it is one-hot encoded)
+    if encoder is not None:  # a Discrete observation: an integer in range (it is one-hot encoded); an image
         problem = encoder.problem(arr)
         return None if problem is None else f"{problem} ({space})"
     return None
 
 
 def _value_checker(space: Any) -> Any:
-    """The one-hot encoder of a Discrete observation space (its values are checked), else None."""
+    """The encoder of a Discrete (one-hot), image (uint8 CxHxW) or Dict/Tuple observation space, whose values
+    are checked and encoded; None for a plain Box (a float32 flatten)."""
     from gymnasium import spaces
 
-    if isinstance(space, spaces.Discrete):
-        from ..encoders import observation_encoder
+    from ..encoders import image_layout, observation_encoder
 
+    if isinstance(space, (spaces.Discrete, spaces.Dict, spaces.Tuple)) or image_layout(space) is not None:
         return observation_encoder(space)
     return None
 
@@ -195,12 +199,19 @@ def env_failure(env_id: str, phase: str, global_step: int, exc: BaseException | 
 
 
 def check_obs_batch(obs: Any, num_envs: int, space: Any, env_id: str, phase: str, global_step: int) -> np.ndarray:
-    """The batched observation as a flat ``[N, obs_dim]`` float32 array, or an ``EnvError`` saying what is wrong.
+    """The batched observation encoded (a flat ``[N, obs_dim]`` float32 array for a Box; see ``ppokit.encoders``
+    for the others), or an ``EnvError`` saying what is wrong.
 
     The trainer calls this only when the cheap test (an ndarray of the expected shape and a numeric dtype) fails,
     so well-behaved envs never pay for it; a list or tensor of the right shape is still accepted. A Discrete
     observation must hold integers in the space's range and comes back one-hot encoded (``ppokit.encoders``).
     """
+    structured = _value_checker(space)
+    if structured is not None and structured.structured:  # a Dict/Tuple: each entry checked, then encoded
+        problem = structured.problem(obs, num_envs)
+        if problem is not None:
+            raise env_failure(env_id, phase, global_step, detail=f"returned {problem} ({num_envs} envs x {space})")
+        return structured.encode(obs, num_envs)
     expected = (num_envs, *space.shape)
     try:
         arr = np.asarray(obs)
