@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Metric", "METRICS", "THRESHOLDS", "perf_time", "perf_frac", "KL_WARN", "KL_ALERT", "CLIPFRAC_HEALTHY",
+__all__ = ["Metric", "METRICS", "LM_METRICS", "THRESHOLDS", "perf_time", "perf_frac", "KL_WARN", "KL_ALERT", "CLIPFRAC_HEALTHY",
            "CLIPFRAC_HIGH", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE", "KL_STOP_FACTOR", "EV_MIN"]
 
 
@@ -119,3 +119,42 @@ def perf_time(phase: str) -> str:
 def perf_frac(phase: str) -> str:
     """``perf/frac_<phase>``: that phase's share of the time so far."""
     return f"perf/frac_{phase}"
+
+# ---------------------------------------------------------------- language models (ppokit.lm)
+# The LM trainers (PPO-RLHF, GRPO, DPO) log the shared names above where the quantity is the same one along the
+# token axis (losses/*, diag/approx_kl (k3 to pi_old, mean over response tokens), diag/approx_kl_k1, diag/clipfrac,
+# diag/entropy, diag/explained_variance, diag/grad_norm, diag/epochs_run, diag/early_stopped, diag/minibatches,
+# diag/skipped_minibatches, diag/advantage_std, charts/learning_rate) and these for what only a LM run has. Their
+# global_step is the number of completions sampled so far; ``update`` is the iteration. ``LM_METRICS`` lists the
+# names only a LM run logs (the Gymnasium trainer logs every other name of ``METRICS``).
+LM_METRICS: list[str] = []
+
+
+def _lm_metric(name: str, meaning: str, good: str = "") -> str:
+    LM_METRICS.append(name)
+    return _metric(name, meaning, good)
+
+
+SCORE_MEAN = _lm_metric("charts/score_mean", "mean score of the iteration's completions (the reward, minus "
+                     "missing_eos_penalty where no EOS was emitted)", "rises")
+SCORE_STD = _lm_metric("charts/score_std", "std of the completions' scores", "> 0 (0: nothing to rank)")
+LM_REWARD_MEAN = _lm_metric("lm/reward_mean", "mean reward of the completions before the missing-EOS penalty")
+KL_REF = _lm_metric("lm/kl_ref", "KL(pi || pi_ref) per sequence: sum over response tokens of log pi_old - log pi_ref "
+                 "(k1), mean over the completions", "grows slowly; running away while the score rises: reward "
+                 "hacking")
+KL_REF_TOKEN = _lm_metric("lm/kl_ref_token", "GRPO: the loss's k3 KL(pi_theta || pi_ref) per response token, mean "
+                       "over the applied minibatches")
+KL_COEF = _lm_metric("lm/kl_coef", "PPO: coefficient of the per-token KL penalty (moves with adaptive_kl)")
+RESPONSE_LENGTH = _lm_metric("lm/response_length", "mean completion length in tokens (the EOS counted)",
+                          "stable; collapsing towards 1 or pinned at max_new_tokens is a failure")
+EOS_FRAC = _lm_metric("lm/eos_frac", "fraction of completions that emitted the EOS token", "near 1")
+DISTINCT_FRAC = _lm_metric("lm/distinct_frac", "distinct completions / completions in the iteration",
+                        "falling towards 1/B: the responses collapse to one answer")
+FRAC_REWARD_ZERO_STD = _lm_metric("lm/frac_reward_zero_std", "GRPO: fraction of prompt groups whose G rewards are all "
+                               "equal (their advantages, hence their policy gradient, are exactly 0; trl#3857)",
+                               "well below 1; 1 means 'loss 0' and no learning")
+DPO_PREF_ACCURACY = _lm_metric("dpo/pref_accuracy", "DPO: fraction of the step's pairs whose implicit reward "
+                            "beta * (log pi/pi_ref) is higher for chosen than rejected (before the step)", "rises")
+DPO_REWARD_MARGIN = _lm_metric("dpo/reward_margin", "DPO: mean implicit reward of chosen minus rejected", "rises")
+DPO_CHOSEN_REWARD = _lm_metric("dpo/chosen_reward", "DPO: mean implicit reward beta * log(pi/pi_ref) of chosen")
+DPO_REJECTED_REWARD = _lm_metric("dpo/rejected_reward", "DPO: mean implicit reward of rejected")

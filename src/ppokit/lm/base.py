@@ -1,0 +1,354 @@
+"""What the three LM trainers share: models and devices, pi_ref, seeded sampling, logging, save and resume.
+
+The three policies are kept apart as in the Gymnasium trainer (``policies``): pi_theta is ``self.policy``, the
+module being optimized; pi_old is never a module but the ``logp_old`` tensor frozen into each rollout; pi_ref is
+``policies.frozen_copy`` of the initial policy, or, for a PEFT (LoRA) policy, the same module with its adapter
+disabled, so no second copy of the base weights is held (and the base weights are frozen by PEFT itself).
+
+Sampling draws from a private RNG state (swapped into torch's global generator around each ``generate`` call, as
+``transformers`` samples from the global one), so a run's samples depend on its seed and its own history only;
+``generate``/``evaluate`` draw from a separate fixed-seed state and do not move the training stream. Both states,
+the minibatch shuffle's generator, the optimizer, the counters and the prompt position are in the checkpoint
+(``save``), loaded with ``torch.load(weights_only=True)`` (``checkpoint.load_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from .. import schema as S
+from ..checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ..monitor import Monitor
+from ..policies import frozen_copy
+from .config import LMConfig
+from .generation import HFGenerator, SamplingSettings
+from .logprobs import token_logprobs
+from .prompts import PromptSource
+from .rewards import make_reward
+from .rollout import Sampled, sample
+
+__all__ = ["LMTrainer", "is_peft_model", "disable_dropout"]
+
+CHECKPOINT = "trainer_state.pt"
+_EVAL_SEED_OFFSET = 7_919  # evaluate()/generate() sample from seed + this, apart from training's stream
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT-wrapped model (LoRA...): it can run as its own base with ``disable_adapter()``."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere: pi_theta and pi_old must be the same function of the same weights, or the first
+    minibatch's ratio is not 1 (TRL does the same)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+
+
+def _fingerprint(model: nn.Module) -> str:
+    """A cheap digest of a model's weights (shapes, sums and a few values of each tensor): tells a resume that it
+    was given another starting model than the run's, without hashing gigabytes."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            flat = p.detach().reshape(-1).float().cpu()
+            h.update(f"{name}{tuple(p.shape)}{float(flat.double().sum()):.6e}".encode())
+            h.update(flat[:16].numpy().tobytes())
+    return h.hexdigest()
+
+
+class LMTrainer:
+    """Base of ``PPOTrainer``, ``GRPOTrainer`` and ``DPOTrainer`` (one level of subclassing)."""
+
+    algo = "lm"
+    uses_reference = True
+
+    def __init__(self, model: nn.Module, tokenizer: Any, config: LMConfig | None = None,
+                 run_dir: str | Path | None = None, ref_model: nn.Module | None = None,
+                 reward: Any = None, prompts: Any = None):
+        self.config = cfg = (config if config is not None else LMConfig()).validate()
+        torch.set_num_threads(cfg.torch_threads)
+        self.device = torch.device(cfg.device)
+        self.storage = torch.device("cpu") if cfg.offload_rollout else self.device
+        self.tokenizer = tokenizer
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("tokenizer: has no eos_token_id; a completion must be able to end")
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad)
+        self.policy = model.to(self.device)
+        disable_dropout(self.policy)
+        if cfg.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self._adapter_ref = False
+        self.ref_model: nn.Module | None = None
+        if self.uses_reference:
+            self._init_reference(ref_model)
+        self._ref_fingerprint = "" if self.ref_model is None else _fingerprint(self.ref_model)
+        self.reward = None if reward is None else make_reward(reward)
+        self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed)
+        self.backend = HFGenerator()
+        # Counters and random streams (all checkpointed).
+        self.iteration = 0
+        self.completions = 0
+        self._sample_state = torch.Generator().manual_seed(cfg.seed).get_state()
+        self._cuda_sample_state: Tensor | None = None
+        self._shuffle = torch.Generator(device=self.storage).manual_seed(cfg.seed + 1)
+        # Output.
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.logger = None
+        self.monitor = Monitor(action_kind="discrete", monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
+        self.alerts: list[dict] = []
+        self.history: list[dict[str, float]] = []
+        self._resumed_at: int | None = None
+
+    # ---------------------------------------------------------------- models
+    def _init_reference(self, ref_model: nn.Module | None) -> None:
+        if ref_model is not None:
+            self.ref_model = ref_model.to(self.device)
+            self.ref_model.requires_grad_(False).eval()
+            disable_dropout(self.ref_model)
+        elif is_peft_model(self.policy):
+            self._adapter_ref = True  # the base model with the adapter disabled: no second copy
+        else:
+            self.ref_model = frozen_copy(self.policy)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def ref_logprobs(self, input_ids: Tensor, attention_mask: Tensor, n_response: int,
+                     temperature: float | None = None) -> Tensor:
+        """``[B, R]`` log pi_ref of the response tokens (no gradient)."""
+        t = self.config.temperature if temperature is None else temperature
+        with torch.no_grad():
+            if self._adapter_ref:
+                with self.policy.disable_adapter():
+                    return token_logprobs(self.policy, input_ids, attention_mask, n_response, t)[0]
+            return token_logprobs(self.ref_model, input_ids, attention_mask, n_response, t)[0]
+
+    @contextlib.contextmanager
+    def _training_mode(self) -> Iterator[None]:
+        # Train mode only matters for gradient checkpointing (transformers checkpoints only in training mode);
+        # dropout is off either way, so the forward is the same function as at the rollout.
+        self.policy.train(self.config.gradient_checkpointing)
+        try:
+            yield
+        finally:
+            self.policy.eval()
+
+    # ---------------------------------------------------------------- sampling
+    @contextlib.contextmanager
+    def _rng(self, which: str) -> Iterator[None]:
+        """Torch's global RNG set to this trainer's sampling stream (``train``) or to a fixed evaluation seed
+        (``eval``) for the block, and restored afterwards."""
+        cuda = self.device.type == "cuda"
+        devices = [self.device.index or 0] if cuda else []
+        with torch.random.fork_rng(devices=devices):
+            if which == "train":
+                torch.set_rng_state(self._sample_state)
+                if cuda:
+                    if self._cuda_sample_state is None:
+                        torch.cuda.manual_seed(self.config.seed)
+                    else:
+                        torch.cuda.set_rng_state(self._cuda_sample_state, self.device)
+            else:
+                torch.manual_seed(self.config.seed + _EVAL_SEED_OFFSET)
+                if cuda:
+                    torch.cuda.manual_seed(self.config.seed + _EVAL_SEED_OFFSET)
+            yield
+            if which == "train":
+                self._sample_state = torch.get_rng_state()
+                if cuda:
+                    self._cuda_sample_state = torch.cuda.get_rng_state(self.device)
+
+    def _sample(self, prompts: list[str], *, with_ref: bool, value_fn=None, rng: str = "train",
+                reward: bool = True, storage: torch.device | None = None) -> Sampled:
+        self.policy.eval()
+        with self._rng(rng):
+            return sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
+                          self.reward if reward else None, self.device,
+                          ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
+                          value_fn=value_fn, missing_eos_penalty=self.config.missing_eos_penalty,
+                          storage=storage)
+
+    @property
+    def has_reference(self) -> bool:
+        return self._adapter_ref or self.ref_model is not None
+
+    def generate(self, prompts: list[str]) -> list[str]:
+        """One sampled completion per prompt (the training sampler's distribution, a fixed evaluation seed)."""
+        out: list[str] = []
+        for i in range(0, len(prompts), self.config.rollout_size):
+            out += self._sample(list(prompts[i:i + self.config.rollout_size]), with_ref=False, rng="eval",
+                                reward=False).completions
+        return out
+
+    def evaluate(self, prompts: list[str], n: int = 1) -> dict[str, Any]:
+        """``n`` sampled completions per prompt, scored by the trainer's reward (fixed evaluation seed, so two
+        calls on the same policy give the same numbers and training's random stream does not move).
+
+        Returns ``reward_mean``/``reward_std`` (the reward alone), ``score_mean`` (minus any missing-EOS penalty),
+        ``length_mean`` (completion tokens, EOS excluded), ``eos_frac``, ``n`` and ``completions`` (the texts).
+        """
+        if self.reward is None:
+            raise ValueError("evaluate: this trainer has no reward; pass reward= when building it")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"evaluate: n must be a positive integer (completions per prompt), got {n!r}")
+        repeated = [p for p in prompts for _ in range(n)]
+        raw, scores, lengths, eos, texts = [], [], [], [], []
+        with self._rng("eval"):
+            for i in range(0, len(repeated), self.config.rollout_size):
+                s = sample(self.policy.eval(), self.tokenizer, self.backend, repeated[i:i + self.config.rollout_size],
+                           self.sampling, self.reward, self.device,
+                           missing_eos_penalty=self.config.missing_eos_penalty)
+                raw.append(s.raw_scores)
+                scores.append(s.batch.scores.cpu())
+                lengths.append(s.batch.response_mask.sum(-1).cpu() - s.has_eos.long())
+                eos.append(s.has_eos)
+                texts += s.completions
+        raw_t = torch.cat(raw)
+        return {"reward_mean": float(raw_t.mean()), "reward_std": float(raw_t.std(unbiased=False)),
+                "score_mean": float(torch.cat(scores).mean()), "length_mean": float(torch.cat(lengths).float().mean()),
+                "eos_frac": float(torch.cat(eos).float().mean()), "n": len(texts), "completions": texts}
+
+    # ---------------------------------------------------------------- the loop
+    def step(self) -> dict[str, float]:  # pragma: no cover - each trainer defines it
+        raise NotImplementedError
+
+    def train(self, iterations: int) -> list[dict[str, float]]:
+        """``iterations`` calls of ``step``; the list of their metrics."""
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
+            raise ValueError(f"train: iterations must be an integer >= 0, got {iterations!r}")
+        self._open_logger(self.iteration + iterations)
+        return [self.step() for _ in range(iterations)]
+
+    def _finish(self, metrics: dict[str, float], started: float, phases: dict[str, float]) -> dict[str, float]:
+        """Counters, timings, alerts and logging of one iteration; returns ``metrics`` completed."""
+        metrics = {S.UPDATE: float(self.iteration), **metrics}
+        for phase, seconds in phases.items():
+            metrics[S.perf_time(phase)] = seconds
+        metrics[S.perf_time("iteration")] = time.perf_counter() - started
+        self.history.append(metrics)
+        alerts = self.monitor.check(self.iteration, metrics)
+        self._open_logger(self.iteration)
+        if self.logger is not None:
+            self.logger.log(self.completions, metrics)
+        for a in alerts:
+            record = {"update": self.iteration, "level": a.level, "name": a.name, "message": a.message}
+            self.alerts.append(record)
+            if self.logger is not None:
+                self.logger.alert(self.completions, a.level, a.name, a.message, a.data)
+        return metrics
+
+    def _open_logger(self, planned_iterations: int) -> None:
+        if self.run_dir is None or self.logger is not None:
+            return
+        from ..logger import MetricsLogger
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        meta = {"kind": "lm", "algo": self.algo, "config": self.config.to_dict()}
+        (self.run_dir / "lm_run.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        cfg = self.config
+        self.logger = MetricsLogger(self.run_dir, total_timesteps=max(1, planned_iterations) * cfg.rollout_size,
+                                    log_every=cfg.log_every, tensorboard=cfg.tensorboard, console=cfg.console,
+                                    hparams=None if self._resumed_at is not None else cfg.to_dict(),
+                                    resume_step=self._resumed_at)
+
+    def close(self) -> None:
+        """Flush and close the run dir's sinks (idempotent)."""
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+
+    # ---------------------------------------------------------------- save / resume
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def save(self, directory: str | Path) -> Path:
+        """``save_pretrained`` of the policy (and its tokenizer) into ``directory/policy`` and a resumable
+        checkpoint ``directory/trainer_state.pt`` (trainable weights, optimizer, RNG states, counters)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if hasattr(self.policy, "save_pretrained"):
+            self.policy.save_pretrained(directory / "policy")
+            if hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(directory / "policy")
+        state = {
+            "algo": self.algo,
+            "config": self.config.to_dict(),
+            "iteration": self.iteration,
+            "completions": self.completions,
+            "policy": {n: p.detach().cpu().clone() for n, p in self.policy.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng_state(),
+            "sample_rng": self._sample_state.clone(),
+            "cuda_sample_rng": None if self._cuda_sample_state is None else self._cuda_sample_state.clone(),
+            "shuffle_rng": self._shuffle.get_state(),
+            "prompts": None if self.prompts is None else self.prompts.state(),
+            "ref_fingerprint": self._ref_fingerprint,
+            **self._extra_state(),
+        }
+        save_checkpoint(directory / CHECKPOINT, state, finite=["policy", "optimizer", *self._finite_keys()])
+        return directory
+
+    def _finite_keys(self) -> list[str]:
+        return []
+
+    @classmethod
+    def resume(cls, directory: str | Path, model: nn.Module, tokenizer: Any, **kwargs: Any) -> "LMTrainer":
+        """A trainer that continues the run saved in ``directory``: the same numbers as if it had never stopped.
+
+        ``model`` is the run's *starting* model (pi_ref is rebuilt from it, as at the start; a different one is
+        refused); its trainable weights are then replaced by the saved ones. The config is the saved one; give the
+        same ``reward``/``prompts``/``pairs`` (and ``ref_model``/``value_model`` if the run had them) as before.
+        """
+        directory = Path(directory)
+        state = load_checkpoint(directory / CHECKPOINT, require_finite=["policy"])
+        if state.get("algo") != cls.algo:
+            raise ValueError(f"resume: {directory} holds a {state.get('algo')!r} run, not {cls.algo!r}")
+        config = LMConfig.from_dict(state["config"])
+        trainer = cls(model, tokenizer, config=config, **kwargs)
+        if state["ref_fingerprint"] and trainer._ref_fingerprint != state["ref_fingerprint"]:
+            raise ValueError("resume: the reference model differs from the run's; pass the model the run started "
+                             "from (pi_ref is built from it), not the trained policy")
+        params = dict(trainer.policy.named_parameters())
+        missing = [n for n in state["policy"] if n not in params]
+        if missing:
+            raise ValueError(f"resume: the model has no parameter {missing[0]!r} the checkpoint holds; pass the "
+                             "same architecture (and the same LoRA adapter) as the run's")
+        with torch.no_grad():
+            for name, value in state["policy"].items():
+                params[name].copy_(value.to(params[name].device))
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.iteration, trainer.completions = int(state["iteration"]), int(state["completions"])
+        set_rng_state(state["rng"])
+        trainer._sample_state = state["sample_rng"].clone()
+        if state.get("cuda_sample_rng") is not None:
+            trainer._cuda_sample_state = state["cuda_sample_rng"].clone()
+        trainer._shuffle.set_state(state["shuffle_rng"])
+        if trainer.prompts is not None and state.get("prompts") is not None:
+            trainer.prompts.load_state(state["prompts"])
+        trainer._load_extra_state(state)
+        trainer._resumed_at = trainer.completions
+        return trainer
+
+
+def masked_stats(x: Tensor, mask: Tensor) -> tuple[float, float]:
+    """Mean and population std of the masked entries of ``x`` (NaN when none)."""
+    vals = x[mask]
+    if vals.numel() == 0:
+        return math.nan, math.nan
+    return float(vals.mean()), float(vals.std(unbiased=False))

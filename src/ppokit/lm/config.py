@@ -1,0 +1,210 @@
+"""``LMConfig``: every knob of a language-model run (PPO-RLHF, GRPO, DPO), validated like ``PPOConfig``.
+
+One dataclass for the three trainers (a field a trainer does not use is ignored by it: ``beta`` by PPO, the value
+fields by GRPO and DPO). Each field's ``help`` is its documentation (and the CLI's ``--help`` line). ``validate``
+raises ``ppokit.config.ConfigError`` naming the first invalid field and the reason, before any model is touched.
+
+The guard rails are the Gymnasium trainer's (``ppokit.config.SAFE_LIMITS``): more than 30 epochs over a rollout or
+a clip range above 0.3 is refused, and so is PPO without advantage whitening or without KL / clip-fraction
+monitoring, unless ``unsafe=True`` (an ablation, stamped as such in the run's config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import SAFE_LIMITS, ConfigError
+from ..reductions import REDUCTION_MODES
+from ..schema import KL_STOP_FACTOR
+
+__all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
+
+KL_ESTIMATORS = ("k1", "k3")
+SCALE_REWARDS = ("group", "batch", "none")
+_SEED_MAX = 2**32 - 1
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class LMConfig:
+    """Every knob of a ppokit.lm run; derived sizes are properties."""
+
+    # --- system ---
+    seed: int = _f(1, f"random seed (sampling, minibatch order, prompt order), in [0, {_SEED_MAX}]")
+    device: str = _f("cpu", "torch device of the models: cpu, cuda, cuda:N or mps")
+    torch_threads: int = _f(1, "torch intra-op threads")
+    # --- optimizer ---
+    learning_rate: float = _f(1e-5, "AdamW learning rate of the policy (and of the value model), in [0, 1]")
+    weight_decay: float = _f(0.0, "AdamW weight decay, in [0, 1]")
+    max_grad_norm: float = _f(1.0, "global gradient-norm clip (policy and value model together), > 0")
+    # --- rollout ---
+    batch_prompts: int = _f(8, "prompts per iteration (DPO: preference pairs per optimizer step)")
+    group_size: int = _f(8, "completions sampled per prompt (GRPO's G; PPO samples as many)")
+    max_new_tokens: int = _f(16, "generation budget per completion, in tokens")
+    temperature: float = _f(1.0, "sampling temperature; log-probs are those of the tempered distribution "
+                            "that sampled (pure sampling: top_k = 0, top_p = 1)")
+    missing_eos_penalty: float | None = _f(None, "subtracted from the score of a completion that never emitted "
+                                           "the EOS token (none: no penalty), >= 0")
+    # --- update ---
+    update_epochs: int = _f(2, "epochs K over each rollout (at most 30 unless unsafe)")
+    num_minibatches: int = _f(2, "minibatches per epoch (at most the rollout's completions)")
+    clip_coef: float = _f(0.2, "clip range eps of the surrogate (at most 0.3 unless unsafe)")
+    target_kl: float | None = _f(None, f"stop the epochs when approx KL to pi_old > {KL_STOP_FACTOR} * target_kl "
+                                 "(none: never)")
+    loss_reduction: str = _f("token_mean", "how per-token losses become one scalar: "
+                             + ", ".join(m for m in REDUCTION_MODES if m != "mean")
+                             + " (see ppokit.reductions.reduce)")
+    ent_coef: float = _f(0.0, "entropy bonus coefficient, >= 0")
+    whiten_advantages: bool = _f(True, "PPO: whiten the advantages over the rollout's response tokens (required "
+                                 "unless unsafe)")
+    monitor_kl: bool = _f(True, "watch approx KL every iteration (required unless unsafe)")
+    monitor_clipfrac: bool = _f(True, "watch the clip fraction every iteration (required unless unsafe)")
+    unsafe: bool = _f(False, "allow configs outside the guard rails (an ablation)")
+    # --- PPO-RLHF ---
+    kl_coef: float = _f(0.05, "PPO: coefficient of the per-token KL(pi || pi_ref) penalty in the reward, >= 0")
+    kl_estimator: str = _f("k1", "PPO: per-token KL estimator in the reward: k1 = log pi - log pi_ref, "
+                           "k3 = (r - 1) - log r with r = pi_ref / pi (>= 0)")
+    adaptive_kl: bool = _f(False, "PPO: adapt kl_coef towards kl_target (Ziegler et al. 2019)")
+    kl_target: float = _f(6.0, "PPO adaptive KL: target KL to pi_ref per sequence (nats), > 0")
+    kl_horizon: int = _f(10000, "PPO adaptive KL: horizon of the proportional controller, in completions")
+    gamma: float = _f(1.0, "PPO: discount over response tokens, in (0, 1]")
+    gae_lambda: float = _f(0.95, "PPO: GAE lambda over response tokens, in [0, 1]")
+    vf_coef: float = _f(0.1, "PPO: value-loss coefficient, >= 0")
+    cliprange_value: float = _f(0.2, "PPO: clip of the value change around the rollout's values, > 0")
+    # --- GRPO / DPO ---
+    beta: float = _f(0.04, "GRPO: coefficient of the k3 KL to pi_ref in the loss (0: no reference model is "
+                     "loaded); DPO: the inverse temperature of the preference loss")
+    scale_rewards: str = _f("group", "GRPO: advantage (r - group mean) divided by the group's std (group), the "
+                            "batch's std (batch) or not at all (none)")
+    adv_eps: float = _f(1e-4, "GRPO: eps in (r - mean) / (std + eps), > 0")
+    # --- memory ---
+    offload_rollout: bool = _f(False, "keep rollout tensors (log-probs, masks, values) in CPU memory and move them "
+                               "to the device per minibatch")
+    gradient_checkpointing: bool = _f(False, "enable the model's gradient checkpointing during the update")
+    # --- output ---
+    log_every: int = _f(10, "print a metrics table every this many iterations (with a run dir)")
+    tensorboard: bool = _f(True, "write TensorBoard event files (with a run dir)")
+    console: bool = _f(True, "print metrics and alerts on the console (with a run dir)")
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def rollout_size(self) -> int:
+        """Completions per iteration, ``batch_prompts * group_size``."""
+        return self.batch_prompts * self.group_size
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> "LMConfig":
+        """Raise ``ConfigError`` for the first invalid field; return self when valid."""
+        def need(ok: bool, name: str, reason: str) -> None:
+            if not ok:
+                raise ConfigError(name, reason)
+
+        for f in dataclasses.fields(self):
+            _check_type(f, getattr(self, f.name))
+        for name in ("torch_threads", "batch_prompts", "group_size", "max_new_tokens", "update_epochs",
+                     "num_minibatches", "log_every", "kl_horizon"):
+            need(getattr(self, name) >= 1, name, f"must be a positive integer, got {getattr(self, name)!r}")
+        need(0 <= self.seed <= _SEED_MAX, "seed", f"must be in [0, {_SEED_MAX}], got {self.seed}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                need(math.isfinite(value), f.name, f"must be a finite number, got {value!r}")
+        need(0 <= self.learning_rate <= 1, "learning_rate", f"must be in [0, 1], got {self.learning_rate}")
+        need(0 <= self.weight_decay <= 1, "weight_decay", f"must be in [0, 1], got {self.weight_decay}")
+        need(self.max_grad_norm > 0, "max_grad_norm", f"must be > 0, got {self.max_grad_norm}")
+        need(self.temperature > 0, "temperature", f"must be > 0 (0 would be greedy decoding, whose log-probs are "
+             f"not those of a distribution), got {self.temperature}")
+        need(self.clip_coef > 0, "clip_coef", f"must be > 0, got {self.clip_coef}")
+        need(self.cliprange_value > 0, "cliprange_value", f"must be > 0, got {self.cliprange_value}")
+        for name in ("ent_coef", "vf_coef", "kl_coef", "beta"):
+            need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        need(self.adv_eps > 0, "adv_eps", f"must be > 0, got {self.adv_eps}")
+        need(self.kl_target > 0, "kl_target", f"must be > 0, got {self.kl_target}")
+        need(0 < self.gamma <= 1, "gamma", f"must be in (0, 1], got {self.gamma}")
+        need(0 <= self.gae_lambda <= 1, "gae_lambda", f"must be in [0, 1], got {self.gae_lambda}")
+        if self.target_kl is not None:
+            need(math.isfinite(self.target_kl) and self.target_kl > 0, "target_kl",
+                 f"must be > 0 or none, got {self.target_kl!r}")
+        if self.missing_eos_penalty is not None:
+            need(math.isfinite(self.missing_eos_penalty) and self.missing_eos_penalty >= 0, "missing_eos_penalty",
+                 f"must be >= 0 or none (it is subtracted from the score), got {self.missing_eos_penalty!r}")
+        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
+             f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
+             f"must be one of {', '.join(SCALE_REWARDS)}, got {self.scale_rewards!r}")
+        need(self.loss_reduction in REDUCTION_MODES and self.loss_reduction != "mean", "loss_reduction",
+             f"must be one of {', '.join(m for m in REDUCTION_MODES if m != 'mean')}, got {self.loss_reduction!r}")
+        need(self.num_minibatches <= self.rollout_size, "num_minibatches",
+             f"{self.num_minibatches} minibatches cannot split {self.rollout_size} completions (batch_prompts * "
+             f"group_size); use at most {self.rollout_size}")
+        from ..resources import check_device
+
+        check_device(self.device)
+        if not self.unsafe:
+            violations = self.guard_rail_violations()
+            if violations:
+                name, reason = violations[0]
+                raise ConfigError(name, reason + " (set unsafe=True to run it anyway as an ablation)")
+        return self
+
+    def guard_rail_violations(self) -> list[tuple[str, str]]:
+        """The (field, reason) pairs of every guard rail this config breaks (``PPOConfig``'s rules)."""
+        out = []
+        if self.update_epochs > SAFE_LIMITS["update_epochs"]:
+            out.append(("update_epochs", f"{self.update_epochs} epochs is an unsafe trust region: K must be <= "
+                        f"{SAFE_LIMITS['update_epochs']} (the policy drifts too far from pi_old)"))
+        if self.clip_coef > SAFE_LIMITS["clip_coef"]:
+            out.append(("clip_coef", f"eps={self.clip_coef} is an unsafe trust region: eps must be <= "
+                        f"{SAFE_LIMITS['clip_coef']}; typical 0.2"))
+        if not self.whiten_advantages:
+            out.append(("whiten_advantages", "advantage whitening is off: PPO-RLHF without it is unstable; set "
+                        "whiten_advantages=True"))
+        if not self.monitor_kl:
+            out.append(("monitor_kl", "KL monitoring is off: every PPO run must watch approx KL"))
+        if not self.monitor_clipfrac:
+            out.append(("monitor_clipfrac", "clip-fraction monitoring is off: every PPO run must watch it"))
+        return out
+
+    # ---------------------------------------------------------------- serialization
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LMConfig":
+        """A validated config from ``data``; an unknown key raises ``ConfigError`` naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in names:
+                raise ConfigError(str(key), f"is not an LMConfig field (known: {', '.join(sorted(names))})")
+        return cls(**data).validate()
+
+
+def _check_type(f: dataclasses.Field, value: Any) -> None:
+    """Strict types: a bool is not a number, an int is accepted for a float field, none only where optional."""
+    kind = str(f.type)
+    optional = "None" in kind
+    if value is None:
+        if optional:
+            return
+        raise ConfigError(f.name, "must be set (none is not allowed)")
+    if kind.startswith("bool"):
+        ok = isinstance(value, bool)
+        want = "true or false"
+    elif kind.startswith("int"):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        want = "an integer"
+    elif kind.startswith("float"):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        want = "a number"
+    else:
+        ok = isinstance(value, str)
+        want = "a string"
+    if not ok:
+        raise ConfigError(f.name, f"must be {want}, got {type(value).__name__} {value!r}")

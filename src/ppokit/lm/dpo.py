@@ -1,0 +1,164 @@
+"""DPO (Rafailov et al. 2023): PPO's KL-regularized objective solved in closed form, trained on preference pairs.
+
+For a pair (prompt x, chosen y_w, rejected y_l) the implicit reward of a response is ``beta * log(pi(y|x) /
+pi_ref(y|x))`` (sequence log-probs: sums over the response tokens, EOS included), and the loss is
+``-log sigmoid(r(y_w) - r(y_l))`` (the paper's eq. 7), averaged over the pairs. The sequences are laid out and
+scored by the same code as the RL trainers' (``rollout.encode_prompts``' left padding, ``logprobs``' position ids
+and response masks); the reference log-probs are computed under ``torch.no_grad`` from pi_ref (a frozen copy, or
+the PEFT base with the adapter disabled).
+
+``step()`` takes the next ``batch_prompts`` pairs (a seeded permutation per pass over the pairs) and applies one
+optimizer step, skipped (and counted) when the loss or the gradient is not finite.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import schema as S
+from .base import LMTrainer
+from .logprobs import token_logprobs
+from .rollout import encode_prompts
+
+__all__ = ["DPOTrainer", "dpo_loss", "encode_pairs"]
+
+
+def dpo_loss(logp_chosen: Tensor, logp_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
+             beta: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, chosen_rewards [N], rejected_rewards [N])`` from ``[N]`` sequence log-probs under pi and pi_ref:
+    rewards ``beta * (logp - ref)``, loss ``mean(-log sigmoid(chosen - rejected))`` (``logsigmoid`` is the
+    stable form of ``log(1 / (1 + exp(-z)))``)."""
+    chosen = beta * (logp_chosen - ref_chosen)
+    rejected = beta * (logp_rejected - ref_rejected)
+    return -F.logsigmoid(chosen - rejected).mean(), chosen.detach(), rejected.detach()
+
+
+def _check_pairs(pairs: Any) -> list[tuple[str, str, str]]:
+    if not isinstance(pairs, Sequence) or isinstance(pairs, (str, bytes)) or len(pairs) == 0:
+        raise ValueError("pairs must be a non-empty list of (prompt, chosen, rejected) string triples")
+    out = []
+    for i, item in enumerate(pairs):
+        if isinstance(item, dict):
+            item = (item.get("prompt"), item.get("chosen"), item.get("rejected"))
+        if not (isinstance(item, (tuple, list)) and len(item) == 3 and all(isinstance(x, str) for x in item)):
+            raise ValueError(f"pairs[{i}] must be a (prompt, chosen, rejected) triple of strings (or a dict with "
+                             "those keys)")
+        out.append(tuple(item))
+    return out
+
+
+def encode_pairs(tokenizer: Any, pairs: list[tuple[str, str, str]], pad_id: int, eos_id: int,
+                 device: torch.device) -> tuple[Tensor, Tensor, int]:
+    """``(input_ids [2N, P + R], attention_mask [2N, P + R], R)``: rows ``0..N-1`` are prompt + chosen, rows
+    ``N..2N-1`` prompt + rejected; prompts left-padded, responses (their tokens + EOS) right-padded."""
+    prompts = [p for p, _, _ in pairs] * 2
+    responses = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, pad_id, device)
+    resp = [list(x) + [eos_id] for x in tokenizer(responses, add_special_tokens=False)["input_ids"]]
+    R = max(len(r) for r in resp)
+    response_ids = torch.full((len(resp), R), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(resp), R), dtype=torch.long)
+    for i, row in enumerate(resp):
+        response_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        response_mask[i, :len(row)] = 1
+    input_ids = torch.cat([prompt_ids, response_ids.to(device)], 1)
+    return input_ids, torch.cat([prompt_mask, response_mask.to(device)], 1), R
+
+
+class DPOTrainer(LMTrainer):
+    """DPO on a causal LM: ``DPOTrainer(model, tokenizer, pairs=[(prompt, chosen, rejected), ...], config=...)``."""
+
+    algo = "dpo"
+
+    def __init__(self, model: nn.Module, tokenizer: Any, pairs: Any, config=None, run_dir=None,
+                 ref_model: nn.Module | None = None):
+        super().__init__(model, tokenizer, config, run_dir, ref_model)
+        self.pairs = _check_pairs(pairs)
+        self.consumed = 0
+        self._perm: tuple[int, Tensor] | None = None
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=self.config.learning_rate,
+                                           weight_decay=self.config.weight_decay)
+
+    # ---------------------------------------------------------------- state
+    def _extra_state(self) -> dict[str, Any]:
+        return {"pairs_consumed": self.consumed}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self.consumed = int(state["pairs_consumed"])
+
+    def _next_pairs(self, n: int) -> list[tuple[str, str, str]]:
+        out = []
+        for _ in range(n):
+            k, i = divmod(self.consumed, len(self.pairs))
+            if self._perm is None or self._perm[0] != k:
+                g = torch.Generator().manual_seed(self.config.seed * 100_003 + k)
+                self._perm = (k, torch.randperm(len(self.pairs), generator=g))
+            out.append(self.pairs[int(self._perm[1][i])])
+            self.consumed += 1
+        return out
+
+    # ---------------------------------------------------------------- log-probs
+    def sequence_logprobs(self, pairs: list[tuple[str, str, str]], reference: bool = False) -> Tensor:
+        """``[2N]`` summed response log-probs (chosen rows, then rejected) under pi (with gradient) or pi_ref."""
+        ids, mask, R = encode_pairs(self.tokenizer, pairs, self.sampling.pad_token_id, self.sampling.eos_token_id,
+                                    self.device)
+        resp_mask = mask[:, -R:].bool()
+        if reference:
+            logp = self.ref_logprobs(ids, mask, R, temperature=1.0)
+        else:
+            logp, _ = token_logprobs(self.policy, ids, mask, R, 1.0)
+        return torch.where(resp_mask, logp, 0.0).sum(-1)
+
+    def preference_accuracy(self, pairs: Any, implicit: bool = False) -> float:
+        """Fraction of ``pairs`` the policy prefers the right way: ``log pi(chosen) > log pi(rejected)`` (the
+        policy's own likelihoods; meaningful before any training too), or with ``implicit=True`` DPO's implicit
+        reward ``log pi/pi_ref`` (0 for both at the start, so a tie; ties count as wrong)."""
+        pairs = _check_pairs(pairs)
+        hits = 0
+        self.policy.eval()
+        with torch.no_grad():
+            for i in range(0, len(pairs), self.config.batch_prompts):
+                chunk = pairs[i:i + self.config.batch_prompts]
+                logp = self.sequence_logprobs(chunk)
+                if implicit:
+                    logp = logp - self.sequence_logprobs(chunk, reference=True)
+                n = len(chunk)
+                hits += int((logp[:n] > logp[n:]).sum())
+        return hits / len(pairs)
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> dict[str, float]:
+        cfg = self.config
+        started = time.perf_counter()
+        pairs = self._next_pairs(cfg.batch_prompts)
+        n = len(pairs)
+        ref = self.sequence_logprobs(pairs, reference=True)
+        with self._training_mode():
+            logp = self.sequence_logprobs(pairs)
+            loss, chosen, rejected = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], cfg.beta)
+            self.optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+        params = self.trainable_parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        loss_v, grad_v = torch.stack([loss.detach(), grad_norm]).tolist()
+        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
+        if skipped:  # the same guard as the epoch loop: no NaN reaches the weights
+            self.optimizer.zero_grad(set_to_none=False)
+        else:
+            self.optimizer.step()
+        self.iteration += 1
+        self.completions += 2 * n
+        metrics = {
+            S.POLICY_LOSS: loss_v, S.GRAD_NORM: grad_v, S.SKIPPED_MINIBATCHES: float(skipped),
+            S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"]),
+            S.DPO_PREF_ACCURACY: float((chosen > rejected).float().mean()),
+            S.DPO_REWARD_MARGIN: float((chosen - rejected).mean()),
+            S.DPO_CHOSEN_REWARD: float(chosen.mean()), S.DPO_REJECTED_REWARD: float(rejected.mean()),
+        }
+        return self._finish(metrics, started, {})

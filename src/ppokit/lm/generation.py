@@ -1,0 +1,96 @@
+"""Sampling completions: a small ``Generator`` interface and its Hugging Face ``generate`` backend.
+
+The learner only needs response token ids; it recomputes every log-probability itself (``logprobs``), so a
+backend is free to sample any way it likes as long as it samples the *plain tempered distribution*
+``softmax(logits / temperature)``. Anything else (top-k, top-p, a repetition penalty, a minimum length) samples
+from a distribution other than the one the ratio's denominator pi_old is computed from, which is TRL's negative-KL
+bug (trl#235, trl#925). A vLLM backend can be added later by implementing ``Generator``; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Generator", "HFGenerator", "SamplingSettings"]
+
+# Settings of a model's generation config that change the sampling distribution, with their neutral values.
+_NEUTRAL = {"top_k": (0, None), "top_p": (1.0, None), "typical_p": (1.0, None), "min_p": (None, 0.0),
+            "repetition_penalty": (1.0, None), "no_repeat_ngram_size": (0, None), "min_length": (0, None),
+            "min_new_tokens": (0, None), "bad_words_ids": (None,), "suppress_tokens": (None,),
+            "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+            "epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None), "encoder_repetition_penalty": (1.0, None),
+            "num_beams": (1, None), "sequence_bias": (None,)}
+
+
+class SamplingSettings:
+    """What every backend must honour: pure sampling at ``temperature``, at most ``max_new_tokens`` tokens,
+    stopping a row at ``eos_token_id``; finished rows are filled with ``pad_token_id``."""
+
+    def __init__(self, max_new_tokens: int, temperature: float, eos_token_id: int, pad_token_id: int):
+        self.max_new_tokens = int(max_new_tokens)
+        self.temperature = float(temperature)
+        self.eos_token_id = int(eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+
+
+class Generator(Protocol):
+    """Samples completions of left-padded prompts.
+
+    ``generate(model, prompt_ids [B, P], prompt_mask [B, P], settings) -> response_ids [B, R]`` with
+    ``R <= settings.max_new_tokens``; row ``b`` holds the sampled tokens up to and including its first EOS, then
+    anything (the rollout masks everything after the first EOS itself). Sampling draws from torch's global RNG.
+    """
+
+    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+                 settings: SamplingSettings) -> Tensor: ...
+
+
+class HFGenerator:
+    """``Generator`` over ``transformers``' ``model.generate`` with ``do_sample=True, top_k=0, top_p=1.0``.
+
+    A model's own ``generation_config`` is merged into ``generate``'s arguments by transformers (measured with
+    transformers 5.24: a ``repetition_penalty`` there still applies when the call passes ``top_k=0`` and
+    ``top_p=1``), so the model's config is swapped for a clean one for the duration of the call, and a warning says
+    once which of its settings were overridden.
+    """
+
+    def __init__(self):
+        self._warned: set[int] = set()
+
+    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+                 settings: SamplingSettings) -> Tensor:
+        from transformers import GenerationConfig
+
+        clean = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=settings.temperature,
+                                 max_new_tokens=settings.max_new_tokens, eos_token_id=settings.eos_token_id,
+                                 pad_token_id=settings.pad_token_id, num_beams=1, use_cache=True)
+        own = getattr(model, "generation_config", None)
+        self._warn_overrides(model, own, settings)
+        try:
+            if own is not None:
+                model.generation_config = clean
+            with torch.no_grad():
+                sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=clean)
+        finally:
+            if own is not None:
+                model.generation_config = own
+        return sequences[:, prompt_ids.shape[1]:]
+
+    def _warn_overrides(self, model: nn.Module, own, settings: SamplingSettings) -> None:
+        if own is None or id(model) in self._warned:
+            return
+        self._warned.add(id(model))
+        differs = [f"{name}={getattr(own, name)!r}" for name, neutral in _NEUTRAL.items()
+                   if getattr(own, name, None) not in neutral]
+        temperature = getattr(own, "temperature", None)
+        if temperature not in (None, 1.0) and temperature != settings.temperature:
+            differs.append(f"temperature={temperature!r}")
+        if differs:
+            warnings.warn(f"the model's generation_config sets {', '.join(differs)}; ppokit samples with "
+                          f"do_sample=True, top_k=0, top_p=1.0, temperature={settings.temperature} and nothing "
+                          "else (the log-probs of pi_old must be those of the distribution that sampled), so "
+                          "these settings are ignored during training", UserWarning, stacklevel=3)

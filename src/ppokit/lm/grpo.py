@@ -1,0 +1,145 @@
+"""GRPO (Shao et al. 2024, DeepSeekMath section 4.1): PPO without a critic, the baseline from a group of samples.
+
+Each iteration:
+
+1. Rollout: ``batch_prompts`` prompts x G = ``group_size`` completions each (rows ``p*G .. p*G + G-1`` are
+   prompt ``p``'s group), log-probs under pi_old and, when ``beta > 0``, pi_ref (``beta = 0`` loads no reference).
+2. Advantages per completion: ``(r - mean_group) / (std_group + eps)`` (``scale_rewards="group"``), the batch's
+   std instead (``"batch"``; Dr. GRPO's argument against the per-group std, Liu et al. 2025), or not scaled
+   (``"none"``), the same advantage on every token of the completion. A group whose rewards are all equal has
+   advantage exactly 0 on every token: no policy gradient, which is why "GRPO loss is 0" (trl#3857);
+   ``lm/frac_reward_zero_std`` logs how many groups that is.
+3. K epochs of minibatches (``epochs.ppo_epochs`` with a ``TokenStep``): per token the core's clipped surrogate
+   (pi_old in the denominator) minus ``beta`` x the k3 KL(pi_theta || pi_ref), reduced by ``loss_reduction``
+   (``reductions.reduce``: token_mean, seq_mean_token_mean = the original GRPO, seq_mean_token_sum_norm = Dr.
+   GRPO with the generation budget as the constant).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import schema as S
+from ..advantages import SPREAD_ULPS
+from ..epochs import UpdateSettings, ppo_epochs
+from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate
+from ..reductions import reduce
+from .base import LMTrainer
+from .config import LMConfig
+from .logprobs import kl_per_token, token_logprobs
+from .rollout import TokenBatch
+from .step import TokenStep
+
+__all__ = ["GRPOTrainer", "group_advantages"]
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
+                     ) -> tuple[Tensor, Tensor]:
+    """``[B]`` rewards in consecutive groups of ``group_size`` -> ``([B] advantages, [B // G] zero-std flags)``.
+
+    ``group``: ``(r - mean_g) / (std_g + eps)``; ``batch``: ``(r - mean_g) / (std_batch + eps)``; ``none``:
+    ``r - mean_g``. Stds are population stds. A group whose spread is within rounding error of its mean (every
+    constant group; ``advantages.normalize``'s rule) gets exactly 0, not the rounding noise of ``r - mean``.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"group_advantages: {tuple(rewards.shape)} rewards do not split into groups of {group_size}")
+    r = rewards.float().view(-1, group_size)  # [P, G]
+    std_g, mean_g = torch.std_mean(r, dim=1, unbiased=False, keepdim=True)
+    zero_std = std_g <= SPREAD_ULPS * torch.finfo(r.dtype).eps * mean_g.abs()  # [P, 1]
+    centred = torch.where(zero_std, 0.0, r - mean_g)
+    if scale == "group":
+        adv = centred / (std_g + eps)
+    elif scale == "batch":
+        adv = centred / (rewards.float().std(unbiased=False) + eps)
+    elif scale == "none":
+        adv = centred
+    else:
+        raise ValueError(f"group_advantages: unknown scale {scale!r}; choose group, batch or none")
+    return adv.reshape(-1), zero_std.reshape(-1)
+
+
+class GRPOTrainer(LMTrainer):
+    """GRPO on a causal LM: ``GRPOTrainer(model, tokenizer, reward=..., prompts=..., config=LMConfig(...))``."""
+
+    algo = "grpo"
+
+    def __init__(self, model: nn.Module, tokenizer: Any, reward: Any, prompts: Any, config=None, run_dir=None,
+                 ref_model: nn.Module | None = None):
+        # beta = 0: no KL term, so no reference is built (no copy of the model in memory).
+        config = (config if config is not None else LMConfig()).validate()
+        self.uses_reference = config.beta > 0
+        super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
+        cfg = self.config
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.learning_rate,
+                                           weight_decay=cfg.weight_decay)
+
+    def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg, mask, R = self.config, mb.response_mask, mb.n_response
+        logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
+                                           with_entropy=True)
+        logp_new = torch.where(mask, logp_new, mb.logp_old)  # padding: ratio 1, no gradient
+        per_token = -clipped_surrogate(logp_new, mb.logp_old, mb.advantages, cfg.clip_coef)
+        stats: dict[str, Tensor] = {}
+        if mb.logp_ref is not None and cfg.beta > 0:
+            kl_ref = torch.where(mask, kl_per_token(logp_new, mb.logp_ref, "k3"), 0.0)
+            per_token = per_token + cfg.beta * kl_ref
+            stats["kl_ref_token"] = reduce(kl_ref.detach(), mask, "token_mean")
+        loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
+        loss = reduce(per_token, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens) + cfg.ent_coef * loss_entropy
+        with torch.no_grad():
+            lp = logp_new.detach()
+            zero = torch.zeros((), device=lp.device)
+            stats.update({
+                "policy_loss": -reduce(clipped_surrogate(lp, mb.logp_old, mb.advantages, cfg.clip_coef), mask,
+                                       cfg.loss_reduction, normalizer=cfg.max_new_tokens),
+                "value_loss": zero, "entropy": reduce(entropy.detach(), mask, "token_mean"),
+                "approx_kl": approx_kl_k3(lp, mb.logp_old, mask, "token_mean"),
+                "approx_kl_k1": approx_kl_k1(lp, mb.logp_old, mask, "token_mean"),
+                "clipfrac": clip_fraction((lp - mb.logp_old).exp(), cfg.clip_coef, mask, "token_mean")})
+        return loss, stats
+
+    def step(self) -> dict[str, float]:
+        cfg = self.config
+        started = time.perf_counter()
+        # 1. Rollout: G completions per prompt, consecutive rows.
+        prompts = [p for p in self.prompts.take(cfg.batch_prompts) for _ in range(cfg.group_size)]
+        s = self._sample(prompts, with_ref=self.has_reference, storage=self.storage)
+        b = s.batch
+        t_rollout = time.perf_counter() - started
+        # 2. Group-relative advantages, the same on every token of a completion.
+        adv, zero_std = group_advantages(b.scores.cpu(), cfg.group_size, cfg.scale_rewards, cfg.adv_eps)
+        b.advantages = adv.to(b.logp_old.device)[:, None].expand_as(b.logp_old).contiguous()
+        mask = b.response_mask
+        kl_seq = (float("nan") if b.logp_ref is None
+                  else float(torch.where(mask, b.logp_old - b.logp_ref, 0.0).sum(-1).mean()))
+        # 3. K epochs of minibatches.
+        t0 = time.perf_counter()
+        settings = UpdateSettings(algo="ppo", update_epochs=cfg.update_epochs, num_minibatches=cfg.num_minibatches,
+                                  clip_coef=cfg.clip_coef, clip_vloss=False, norm_adv=False, ent_coef=cfg.ent_coef,
+                                  vf_coef=0.0, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
+        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm)
+        with self._training_mode():
+            update = ppo_epochs(b, settings, step, generator=self._shuffle)
+        extra = step.extra_means()
+        t_update = time.perf_counter() - t0
+        self.iteration += 1
+        self.completions += len(b)
+        metrics = {
+            S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
+            S.LM_REWARD_MEAN: float(s.raw_scores.mean()),
+            S.KL_REF: kl_seq, S.KL_REF_TOKEN: extra.get("kl_ref_token", float("nan")),
+            S.RESPONSE_LENGTH: float(mask.sum(-1).float().mean()), S.EOS_FRAC: float(s.has_eos.float().mean()),
+            S.DISTINCT_FRAC: len(set(s.completions)) / len(s.completions),
+            S.FRAC_REWARD_ZERO_STD: float(zero_std.float().mean()),
+            S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"]),
+            S.POLICY_LOSS: update["policy_loss"], S.ENTROPY: update["entropy"], S.APPROX_KL: update["approx_kl"],
+            S.APPROX_KL_K1: update["approx_kl_k1"], S.CLIPFRAC: update["clipfrac"], S.GRAD_NORM: update["grad_norm"],
+            S.ADVANTAGE_STD: float(adv.std(unbiased=False)),
+            S.EPOCHS_RUN: update["epochs_run"], S.EARLY_STOPPED: update["early_stopped"],
+            S.MINIBATCHES: update["minibatches"], S.SKIPPED_MINIBATCHES: update["skipped_minibatches"],
+        }
+        return self._finish(metrics, started, {"rollout": t_rollout, "update": t_update})

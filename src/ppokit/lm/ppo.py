@@ -1,0 +1,224 @@
+"""PPO-RLHF (Ziegler et al. 2019; Ouyang et al. 2022): the Gymnasium trainer's PPO along a token axis.
+
+Each iteration, numbered as the lessons number PPO's loop:
+
+1. Rollout: ``batch_prompts`` prompts x ``group_size`` completions, sampled by pi_theta (= pi_old), with the
+   log-probs under pi_old and pi_ref and the values V(prefix) of every response token (``rollout.sample``).
+2. Rewards per token: ``-kl_coef * KL_t(pi_old || pi_ref)`` on every response token (``kl_estimator`` k1 or k3)
+   and the score added on the last real token, the EOS included (``rollout.place_scores``).
+3. Advantages: the core's ``advantages.gae`` over the response tokens with the response mask (gamma 1, lambda 0.95
+   by default; the last real token ends the episode), whitened over the rollout's real tokens (``normalize`` with
+   the mask).
+4. K epochs of minibatches: ``epochs.ppo_epochs`` with a ``TokenStep`` (the same shuffle, non-finite skip and KL
+   early stop as the Gymnasium trainer); the loss is the core's clipped surrogate with pi_old in the denominator,
+   reduced by ``loss_reduction``, plus ``vf_coef`` x the core's clipped value loss, minus ``ent_coef`` x entropy.
+5. Optionally the adaptive KL controller moves ``kl_coef`` towards ``kl_target`` (Ziegler et al. 2019, eq. 2).
+
+``value_model=None``: a copy of the policy's trunk (``model.base_model``, the transformer without its LM head)
+with a zero-initialised scalar head, so the first values are exactly 0 and the first advantages are the rewards'.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import schema as S
+from ..advantages import gae, normalize
+from ..epochs import UpdateSettings, ppo_epochs
+from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate, explained_variance, value_loss
+from ..reductions import reduce
+from .base import LMTrainer, masked_stats
+from .logprobs import kl_per_token, position_ids, token_logprobs
+from .rollout import TokenBatch, place_scores
+from .step import TokenStep
+
+__all__ = ["PPOTrainer", "ValueModel", "default_value_model", "rlhf_rewards", "token_advantages", "adaptive_kl_coef"]
+
+
+class ValueModel(nn.Module):
+    """A transformer trunk and a scalar head: ``[B, L]`` ids -> ``[B, L]`` values (one per position)."""
+
+    def __init__(self, trunk: nn.Module, hidden_size: int):
+        super().__init__()
+        self.trunk = trunk
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        out = self.trunk(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids(attention_mask), use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return self.head(hidden.float()).squeeze(-1)
+
+
+def default_value_model(policy: nn.Module) -> ValueModel:
+    """A deep copy of ``policy``'s trunk (of the base model under a PEFT wrapper) with a zero scalar head."""
+    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    trunk = copy.deepcopy(getattr(model, "base_model", model))
+    trunk.requires_grad_(True)
+    hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd")
+    return ValueModel(trunk, int(hidden))
+
+
+def response_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, n_response: int) -> Tensor:
+    """``[B, R]``: V of the prefix before each response token (the positions whose logits predict it)."""
+    values = value_model(input_ids, attention_mask)
+    return values[:, -(n_response + 1):-1]
+
+
+def rlhf_rewards(scores: Tensor, logp_old: Tensor, logp_ref: Tensor | None, mask: Tensor, kl_coef: float,
+                 estimator: str) -> tuple[Tensor, Tensor]:
+    """Per-token rewards ``[B, R]`` (the KL penalty on every real token, the score on the last one) and the
+    per-token KL ``[B, R]`` (0 on padding and without a reference)."""
+    if logp_ref is None:
+        kl = torch.zeros_like(logp_old)
+    else:
+        kl = torch.where(mask, kl_per_token(logp_old, logp_ref, estimator), 0.0)
+    return place_scores(scores, mask) - kl_coef * kl, kl
+
+
+def token_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
+                     whiten: bool = True) -> tuple[Tensor, Tensor]:
+    """GAE over ``[B, R]`` response tokens with the core's ``gae`` (token axis as its time axis); advantages
+    whitened over the real tokens (``normalize`` with the mask); returns are the unwhitened ``A + V``."""
+    values = torch.where(mask, values, 0.0)
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    never = torch.zeros_like(mask)
+    adv, returns = gae(rewards.T, values.T, next_values.T, never.T, never.T, gamma, lam, mask=mask.T)
+    adv, returns = adv.T, returns.T
+    if whiten:
+        adv = normalize(adv, mask=mask)
+    return adv, returns
+
+
+def adaptive_kl_coef(kl_coef: float, kl: float, target: float, n: int, horizon: int) -> float:
+    """Ziegler et al. (2019), eq. 2: ``beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon``."""
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n / horizon)
+
+
+class PPOTrainer(LMTrainer):
+    """PPO-RLHF on a causal LM: ``PPOTrainer(model, tokenizer, reward=..., prompts=..., config=LMConfig(...))``."""
+
+    algo = "ppo"
+
+    def __init__(self, model: nn.Module, tokenizer: Any, reward: Any, prompts: Any, config=None, run_dir=None,
+                 ref_model: nn.Module | None = None, value_model: nn.Module | None = None):
+        super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
+        cfg = self.config
+        self.value_model = (value_model if value_model is not None else default_value_model(self.policy))
+        self.value_model.to(self.device)
+        from .base import disable_dropout
+
+        disable_dropout(self.value_model)
+        self.value_model.eval()
+        self.kl_coef = float(cfg.kl_coef)
+        params = [{"params": self.trainable_parameters()},
+                  {"params": [p for p in self.value_model.parameters() if p.requires_grad]}]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+
+    # ---------------------------------------------------------------- state
+    def _extra_state(self) -> dict[str, Any]:
+        return {"value_model": {k: v.detach().cpu().clone() for k, v in self.value_model.state_dict().items()},
+                "kl_coef": self.kl_coef}
+
+    def _finite_keys(self) -> list[str]:
+        return ["value_model"]
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self.value_model.load_state_dict(state["value_model"])
+        self.kl_coef = float(state["kl_coef"])
+
+    def save(self, directory):
+        directory = super().save(directory)
+        from safetensors.torch import save_file
+
+        head = {k: v.detach().cpu().contiguous() for k, v in self.value_model.state_dict().items()
+                if k.startswith("head.")}
+        save_file(head, str(directory / "value_head.safetensors"))
+        return directory
+
+    # ---------------------------------------------------------------- one iteration
+    def _values(self, input_ids: Tensor, attention_mask: Tensor, n_response: int) -> Tensor:
+        with torch.no_grad():
+            return response_values(self.value_model, input_ids, attention_mask, n_response)
+
+    def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg, mask, R = self.config, mb.response_mask, mb.n_response
+        logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
+                                           with_entropy=True)
+        # Padding positions take pi_old's value: ratio exactly 1 there and no gradient through them (``where``).
+        logp_new = torch.where(mask, logp_new, mb.logp_old)
+        values = torch.where(mask, response_values(self.value_model, mb.input_ids, mb.attention_mask, R),
+                             mb.values)
+        surrogate = clipped_surrogate(logp_new, mb.logp_old, mb.advantages, cfg.clip_coef)
+        loss_policy = -reduce(surrogate, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
+        loss_value = value_loss(values, mb.returns, mb.values, cfg.cliprange_value, mask=mask, mode="token_mean")
+        loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
+        loss = loss_policy + cfg.vf_coef * loss_value + cfg.ent_coef * loss_entropy
+        with torch.no_grad():
+            lp = logp_new.detach()
+            stats = {"policy_loss": loss_policy.detach(), "value_loss": loss_value.detach(),
+                     "entropy": reduce(entropy.detach(), mask, "token_mean"),
+                     "approx_kl": approx_kl_k3(lp, mb.logp_old, mask, "token_mean"),
+                     "approx_kl_k1": approx_kl_k1(lp, mb.logp_old, mask, "token_mean"),
+                     "clipfrac": clip_fraction((lp - mb.logp_old).exp(), cfg.clip_coef, mask, "token_mean")}
+        return loss, stats
+
+    def step(self) -> dict[str, float]:
+        cfg = self.config
+        started = time.perf_counter()
+        # 1. Rollout.
+        prompts = [p for p in self.prompts.take(cfg.batch_prompts) for _ in range(cfg.group_size)]
+        s = self._sample(prompts, with_ref=True, value_fn=self._values, storage=self.storage)
+        b = s.batch
+        t_rollout = time.perf_counter() - started
+        # 2. Per-token rewards: KL penalty to pi_ref on every token, the score on the last real one.
+        rewards, kl = rlhf_rewards(b.scores, b.logp_old, b.logp_ref, b.response_mask, self.kl_coef,
+                                   cfg.kl_estimator)
+        # 3. GAE over the response tokens, whitened over the real tokens.
+        advantages, b.returns = token_advantages(rewards, b.values, b.response_mask, cfg.gamma, cfg.gae_lambda,
+                                                 whiten=False)
+        adv_std = masked_stats(advantages, b.response_mask)[1]
+        b.advantages = normalize(advantages, mask=b.response_mask) if cfg.whiten_advantages else advantages
+        kl_k1 = (torch.zeros_like(b.logp_old) if b.logp_ref is None
+                 else torch.where(b.response_mask, b.logp_old - b.logp_ref, 0.0))
+        kl_seq = float(kl_k1.sum(-1).mean())
+        # 4. K epochs of minibatches (the shared loop: KL early stop, non-finite skip).
+        t0 = time.perf_counter()
+        settings = UpdateSettings(algo="ppo", update_epochs=cfg.update_epochs, num_minibatches=cfg.num_minibatches,
+                                  clip_coef=cfg.clip_coef, clip_vloss=True, norm_adv=False, ent_coef=cfg.ent_coef,
+                                  vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
+        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm)
+        with self._training_mode():
+            update = ppo_epochs(b, settings, step, generator=self._shuffle)
+        t_update = time.perf_counter() - t0
+        self.iteration += 1
+        self.completions += len(b)
+        kl_coef_used = self.kl_coef
+        # 5. Adaptive KL.
+        if cfg.adaptive_kl:
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl_seq, cfg.kl_target, len(b), cfg.kl_horizon)
+        mask = b.response_mask
+        metrics = {
+            S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
+            S.LM_REWARD_MEAN: float(s.raw_scores.mean()),
+            S.KL_REF: kl_seq, S.KL_COEF: kl_coef_used,
+            S.RESPONSE_LENGTH: float(mask.sum(-1).float().mean()), S.EOS_FRAC: float(s.has_eos.float().mean()),
+            S.DISTINCT_FRAC: len(set(s.completions)) / len(s.completions),
+            S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"]),
+            S.POLICY_LOSS: update["policy_loss"], S.VALUE_LOSS: update["value_loss"],
+            S.ENTROPY: update["entropy"], S.APPROX_KL: update["approx_kl"], S.APPROX_KL_K1: update["approx_kl_k1"],
+            S.CLIPFRAC: update["clipfrac"], S.GRAD_NORM: update["grad_norm"],
+            S.EXPLAINED_VARIANCE: float(explained_variance(b.values, b.returns, mask)),
+            S.ADVANTAGE_STD: adv_std,
+            S.EPOCHS_RUN: update["epochs_run"], S.EARLY_STOPPED: update["early_stopped"],
+            S.MINIBATCHES: update["minibatches"], S.SKIPPED_MINIBATCHES: update["skipped_minibatches"],
+        }
+        return self._finish(metrics, started, {"rollout": t_rollout, "update": t_update})

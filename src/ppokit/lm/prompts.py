@@ -1,0 +1,116 @@
+"""Prompts from a list, an iterable or a file, served batch by batch in a seeded, resumable order.
+
+``load_prompts(path)``: a ``.jsonl`` file (one JSON string, or an object with a ``"prompt"`` key, per line) or a
+text file (one prompt per non-empty line). Reading a file never runs code.
+
+``PromptSource`` cycles a finite list in a fresh seeded permutation per pass (the permutation of pass ``k`` is a
+function of ``(seed, k)`` alone, so the position is the whole state to checkpoint); a one-shot iterable is read
+lazily in its own order, and on resume the items already consumed are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["load_prompts", "PromptSource"]
+
+
+def load_prompts(source: str | os.PathLike) -> list[str]:
+    """The prompts of a ``.jsonl`` or text file (see the module docstring); ``ValueError`` names line and reason."""
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"prompts: no such file {path}")
+    prompts: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"prompts: {path} line {n} is not JSON ({exc.msg})") from None
+                if isinstance(item, dict):
+                    item = item.get("prompt")
+                if not isinstance(item, str):
+                    raise ValueError(f"prompts: {path} line {n} must be a JSON string or an object with a string "
+                                     f"\"prompt\"")
+                prompts.append(item)
+            else:
+                prompts.append(line.rstrip("\r\n"))
+    if not prompts:
+        raise ValueError(f"prompts: {path} holds no prompts")
+    return prompts
+
+
+class PromptSource:
+    """Serves ``take(n)`` prompts at a time; ``state()`` / ``load_state()`` checkpoint the position."""
+
+    def __init__(self, prompts: Any, seed: int):
+        self.seed = int(seed)
+        self.consumed = 0
+        self._iter: Iterator[str] | None = None
+        if isinstance(prompts, (str, os.PathLike)):
+            prompts = load_prompts(prompts)
+        if isinstance(prompts, (list, tuple)):
+            self.items: list[str] | None = [self._check(p, i) for i, p in enumerate(prompts)]
+            if not self.items:
+                raise ValueError("prompts: the list is empty")
+        elif isinstance(prompts, Iterable):
+            self.items = None
+            self._source = prompts
+        else:
+            raise ValueError(f"prompts must be a list of strings, an iterable of strings or a .jsonl/.txt path, got "
+                             f"{type(prompts).__name__}")
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    @staticmethod
+    def _check(p: Any, i: int) -> str:
+        if not isinstance(p, str):
+            raise ValueError(f"prompts[{i}] must be a string, got {type(p).__name__}")
+        return p
+
+    def _order(self, k: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != k:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + k)
+            self._perm = (k, torch.randperm(len(self.items), generator=g))
+        return self._perm[1]
+
+    def take(self, n: int) -> list[str]:
+        """The next ``n`` prompts."""
+        out = []
+        for _ in range(n):
+            if self.items is not None:
+                k, i = divmod(self.consumed, len(self.items))
+                out.append(self.items[int(self._order(k)[i])])
+            else:
+                out.append(self._check(self._next(), self.consumed))
+            self.consumed += 1
+        return out
+
+    def _next(self) -> str:
+        if self._iter is None:
+            self._iter = iter(self._source)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            raise ValueError(f"prompts: the iterable ran out after {self.consumed} prompts; pass a list to cycle "
+                             "through it") from None
+
+    def state(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state(self, state: dict) -> None:
+        consumed = int(state["consumed"])
+        if self.items is None:  # replay the one-shot iterable up to where the checkpoint was
+            self.consumed = 0
+            for _ in range(consumed):
+                self._next()
+                self.consumed += 1
+        self.consumed = consumed

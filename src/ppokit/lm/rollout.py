@@ -1,0 +1,155 @@
+"""The token rollout: prompts in, sampled completions with every tensor the update needs out.
+
+Numbered as the pipeline runs (``sample``):
+
+1. tokenize the prompts and pad them on the LEFT, so every row's last prompt token sits at the same column and
+   the response block starts at column ``P`` for all rows;
+2. sample the responses (``generation.Generator``);
+3. the response mask: through the first stop token, EOS included, decided by position (correct when pad == EOS);
+4. log-probs under pi_old right after generation (the ratio's denominator), under pi_ref, and the values, all by
+   one forward each with ``position_ids = cumsum(mask) - 1`` (``logprobs``);
+5. the score of each completion (``rewards``), minus ``missing_eos_penalty`` where no EOS was emitted; the
+   trainers put it on the last real response token (the EOS when there is one: trl#1893, trl#3750 added it one
+   token later).
+
+``TokenBatch`` is the rollout as the epoch loop sees it (``epochs.ppo_epochs`` needs ``len`` and ``obs.device``):
+rows are completions, the token axis is the response's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from .generation import Generator, SamplingSettings
+from .logprobs import response_mask, token_logprobs
+
+__all__ = ["TokenBatch", "encode_prompts", "sample", "last_token_index", "place_scores"]
+
+_CPU_ANCHOR = torch.zeros(0)
+
+
+@dataclass
+class TokenBatch:
+    """A rollout of ``B`` completions; ``P`` prompt columns, ``R`` response columns."""
+
+    input_ids: Tensor  # [B, P + R] left-padded prompt, then the response (pad after the first stop)
+    attention_mask: Tensor  # [B, P + R] long: real prompt tokens and response tokens through the first stop
+    response_mask: Tensor  # [B, R] bool: the response tokens that count (through the first stop, EOS included)
+    logp_old: Tensor  # [B, R] log pi_old of the sampled tokens (tempered), frozen right after generation
+    scores: Tensor  # [B] the completion's score (reward minus any missing-EOS penalty)
+    logp_ref: Tensor | None = None  # [B, R] log pi_ref of the sampled tokens
+    values: Tensor | None = None  # [B, R] V at the rollout (PPO)
+    advantages: Tensor | None = None  # [B, R] (PPO: GAE, whitened; GRPO: the sequence's advantage on every token)
+    returns: Tensor | None = None  # [B, R] value targets (PPO)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def obs(self) -> Tensor:
+        """For ``ppo_epochs``: its shuffle runs on the CPU (a CPU generator) whatever device the rows are on;
+        indexing a device tensor with CPU indices is fine."""
+        return _CPU_ANCHOR
+
+    @property
+    def n_response(self) -> int:
+        return self.response_mask.shape[1]
+
+    def index(self, idx: Tensor) -> "TokenBatch":
+        return self._map(lambda t: t[idx.to(t.device)])
+
+    def to(self, device: torch.device | str) -> "TokenBatch":
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> "TokenBatch":
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Left-padded ``(prompt_ids [B, P], prompt_mask [B, P])``; ``ValueError`` for a prompt with no tokens."""
+    ids = [list(x) for x in tokenizer(list(prompts), add_special_tokens=True)["input_ids"]]
+    for i, row in enumerate(ids):
+        if not row:
+            raise ValueError(f"prompt {i} ({prompts[i]!r}) tokenizes to no tokens; the first response token needs "
+                             "a prompt token to condition on")
+    P = max(len(r) for r in ids)
+    prompt_ids = torch.full((len(ids), P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(ids), P), dtype=torch.long)
+    for i, row in enumerate(ids):
+        prompt_ids[i, P - len(row):] = torch.tensor(row, dtype=torch.long)
+        prompt_mask[i, P - len(row):] = 1
+    return prompt_ids.to(device), prompt_mask.to(device)
+
+
+def last_token_index(response_mask: Tensor) -> Tensor:
+    """``[B]``: the column of each row's last real response token (its EOS when it has one); -1 for an empty row."""
+    return response_mask.long().sum(-1) - 1
+
+
+def place_scores(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """``[B, R]`` zeros with ``scores[b]`` on row ``b``'s last real token; an empty row gets nothing."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    last = last_token_index(response_mask)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = scores.to(out.device, torch.float32)[rows]
+    return out
+
+
+@dataclass
+class Sampled:
+    """What ``sample`` returns: the batch plus the text the reward saw."""
+
+    batch: TokenBatch
+    prompts: list[str]
+    completions: list[str]
+    has_eos: Tensor  # [B] bool
+    raw_scores: Tensor  # [B] the reward before the missing-EOS penalty
+
+
+@torch.no_grad()
+def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: list[str], settings: SamplingSettings,
+           reward: Callable | None, device: torch.device, ref_logprobs: Callable | None = None,
+           value_fn: Callable | None = None, missing_eos_penalty: float | None = None,
+           storage: torch.device | None = None) -> Sampled:
+    """One rollout of ``prompts`` (already repeated G times for groups); steps 1-5 of the module docstring.
+
+    ``ref_logprobs(input_ids, attention_mask, R) -> [B, R]`` and ``value_fn(...) -> [B, R]`` are optional;
+    ``storage`` is where the batch's tensors are kept (the CPU with ``offload_rollout``; default ``device``).
+    """
+    # 1. Left-padded prompts.
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, settings.pad_token_id, device)
+    # 2. Sample.
+    response_ids = generator.generate(policy, prompt_ids, prompt_mask, settings).to(device)
+    # 3. Mask through the first stop token; what follows becomes padding.
+    mask = response_mask(response_ids, settings.eos_token_id)
+    has_eos = (response_ids == settings.eos_token_id).any(-1)
+    response_ids = torch.where(mask, response_ids, settings.pad_token_id)
+    input_ids = torch.cat([prompt_ids, response_ids], 1)
+    attention_mask = torch.cat([prompt_mask, mask.long()], 1)
+    R = response_ids.shape[1]
+    # 4. pi_old, pi_ref, values: one forward each.
+    logp_old, _ = token_logprobs(policy, input_ids, attention_mask, R, settings.temperature)
+    logp_ref = None if ref_logprobs is None else ref_logprobs(input_ids, attention_mask, R)
+    values = None if value_fn is None else value_fn(input_ids, attention_mask, R)
+    # 5. Scores from the decoded text (EOS excluded from the text and the ids the reward sees).
+    lengths = mask.long().sum(-1) - has_eos.long()
+    completion_ids = [response_ids[b, : int(lengths[b])].tolist() for b in range(len(prompts))]
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    raw = torch.zeros(len(prompts))
+    if reward is not None:
+        info = {"completion_ids": completion_ids, "eos": has_eos.tolist(), "input_ids": input_ids,
+                "attention_mask": attention_mask}
+        raw = reward(list(prompts), completions, info)
+    scores = raw.clone()
+    if missing_eos_penalty is not None:
+        scores = scores - missing_eos_penalty * (~has_eos).float().cpu()
+    batch = TokenBatch(input_ids, attention_mask, mask, logp_old.float(), scores.to(device), logp_ref=logp_ref,
+                       values=values)
+    if storage is not None:
+        batch = batch.to(storage)
+    return Sampled(batch, list(prompts), completions, has_eos.cpu(), raw)
