@@ -53,7 +53,7 @@ def test_atari_ids_are_recognised():
 def test_noop_reset_draws_1_to_30_noops_then_fires():
     env, raw = recorded("Breakout")
     counts = set()
-    for seed in range(80):
+    for seed in range(40):
         env.reset(seed=seed)
         acts = raw.actions
         # After the raw reset: k no-ops, then FIRE and action 2, each repeated for the 4 skipped frames.
@@ -169,3 +169,29 @@ def test_frameskip_in_env_kwargs_is_refused():
 
     with pytest.raises(ConfigError, match="env_kwargs.*frameskip"):
         atari.make_atari_env("ALE/Pong-v5", {"frameskip": 2})
+
+
+@pytest.mark.slow
+def test_a_short_atari_run_trains_on_uint8_frames_and_evaluates_the_game_score(tmp_path):
+    import torch
+
+    import ppokit
+    from ppokit import schema as S
+    from ppokit.config import load_preset
+    from ppokit.trainer import Trainer
+
+    cfg = load_preset("atari")
+    cfg.env_id, cfg.num_envs, cfg.num_steps, cfg.num_minibatches = "ALE/Breakout-v5", 2, 32, 2
+    cfg.total_timesteps, cfg.tensorboard = 128, False
+    cfg.eval_every, cfg.eval_threshold, cfg.eval_episodes = 2, 1e9, 2
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", console_enabled=False)
+    # The frames are stored as they come: [T, N, 4, 84, 84] uint8 (28 KB a step, not 113 KB of floats).
+    obs = trainer.buffer.obs
+    assert obs.dtype == torch.uint8 and tuple(obs.shape) == (32, 2, 4, 84, 84)
+    run = trainer.run()
+    assert run.global_step == 128
+    gate = run.metrics[-1][S.EVAL_RETURN]  # the gate's mean game score over 2 whole games
+    assert gate >= 0 and gate == int(gate * 2) / 2
+    result = ppokit.evaluate(ppokit.load(tmp_path / "run"), episodes=1)
+    # One whole game (all 5 lives) and its unclipped score.
+    assert result["returns"][0] == int(result["returns"][0]) >= 0 and result["lengths"][0] > 20
