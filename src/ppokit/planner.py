@@ -104,8 +104,9 @@ def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds
         probe.action_shape = (f"Discrete({act.n})" if probe.action_kind == "discrete"
                               else f"MultiDiscrete({list(map(int, act.nvec))})" if probe.action_kind == "multidiscrete"
                               else f"Box({act.shape[0]}) in [{float(np.min(act.low)):g}, {float(np.max(act.high)):g}]")
-        probe.obs_shape = tuple(int(d) for d in env.observation_space.shape)
-        probe.image = len(probe.obs_shape) == 3
+        shape = env.observation_space.shape  # None for a Dict/Tuple observation (encoded per entry)
+        probe.obs_shape = tuple(int(d) for d in shape) if shape is not None else None
+        probe.image = probe.obs_shape is not None and len(probe.obs_shape) == 3
         spec = getattr(env, "spec", None)
         probe.max_episode_steps = getattr(spec, "max_episode_steps", None)
         env.action_space.seed(seed)
