@@ -100,6 +100,7 @@ class Dist:
     checksums: Path | None = None
     no_sync: bool = False
     _scratch: Path | None = None
+    _stats: list[Any] = field(default_factory=list)  # the normalizers' RunningMeanStd, for the checksums
 
     # ------------------------------------------------------------------ who am I
     @property
@@ -162,6 +163,7 @@ class Dist:
             # An ObsNormalizer or RewardScaler has one running statistic; a Dict observation's one per part.
             for part in (getattr(norm, "parts", {}).values() or [norm]) if norm is not None else ():
                 part.rms.reduce = self.merge_moments
+                self._stats.append(part.rms)
 
     def resume_state(self, state: dict) -> dict:
         """The checkpoint as this rank resumes it: rank 0 (the one that wrote it) continues its envs; the others
@@ -271,11 +273,15 @@ class Dist:
         }
 
     def after_update(self, policy: torch.nn.Module, update_idx: int) -> None:
-        """With ``PPOKIT_DIST_CHECKSUMS`` set: rank 0 appends every rank's parameter digest for this update."""
+        """With ``PPOKIT_DIST_CHECKSUMS`` set: rank 0 appends every rank's digest of its parameters and
+        normalizer statistics for this update."""
         if not (self.active and self.checksums):
             return
-        data = torch.cat([p.detach().reshape(-1).cpu() for p in policy.parameters()]).numpy().tobytes()
-        digest = torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
+        h = hashlib.sha256()
+        for t in [*policy.parameters(), *(x for rms in self._stats for x in (rms.mean, rms.var, rms.count))]:
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        data = h.digest()
+        digest = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         gathered = self._gather_tensor(digest.to(torch.int64))
         if self.is_main:
             line = " ".join(bytes(row.to(torch.uint8).tolist()).hex() for row in gathered)

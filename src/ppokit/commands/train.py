@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except distributed.DistributedError as exc:
         # A rank was lost or timed out; the checkpoints rank 0 wrote are whole (atomic writes). Every rank says it.
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}; rank 0's last checkpoint is whole: "
+                                   "continue with ppokit train --resume RUN_DIR", highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         # The second Ctrl-C (the first one finishes the update and saves): the last checkpoint is intact.

@@ -1,0 +1,281 @@
+"""Data-parallel PPO (``ppokit.distributed``): K ranks under torchrun are one job.
+
+The behaviour tests launch real ranks on this machine (gloo on 127.0.0.1, free ports, tiny CartPole budgets,
+every subprocess under a hard timeout) and compare what rank 0 records with ``PPOKIT_DIST_CHECKSUMS``: after
+every update, a SHA-256 of each rank's parameters and normalizer statistics, all-gathered. The unit tests check
+the merges against direct computations.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppokit import distributed
+from ppokit.distributed import Dist, combine_moments
+from ppokit.normalize import RunningMeanStd
+
+TIMEOUT = 120  # seconds for any one launch (a few seconds each on an idle machine)
+# 2 envs x 32 steps per rank: one update is 128 global steps; 512 steps = 4 updates on 2 ranks.
+BASE = ["--env", "CartPole-v1", "--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2",
+        "--update-epochs", "2", "--quiet", "--no-tensorboard", "--save-every", "2", "--dist-timeout", "20",
+        "--normalize-obs", "--normalize-reward"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", distributed.NO_SYNC_VAR)}
+    scratch = tmp_path / "tmp"  # where non-main ranks keep their scratch logs (removed at exit)
+    scratch.mkdir(exist_ok=True)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(scratch),
+               **{distributed.CHECKSUMS_VAR: str(tmp_path / "ck.txt")})
+    env.update(extra)
+    return env
+
+
+def _torchrun(tmp_path: Path, args: list[str], launcher: list[str] | None = None, **extra: str):
+    launcher = launcher or ["--standalone", "--nproc_per_node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "ppokit", "train", *args]
+    return subprocess.run(cmd, env=_env(tmp_path, **extra), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _checksums(tmp_path: Path) -> list[tuple[int, list[str]]]:
+    rows = [line.split() for line in (tmp_path / "ck.txt").read_text().splitlines()]
+    return [(int(r[0]), r[1:]) for r in rows]
+
+
+def _metrics(run_dir: Path) -> list[dict[str, str]]:
+    import csv
+
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """2 ranks, fused update, obs/reward normalization, 4 updates, checkpoints at 2 and 4."""
+    tmp = tmp_path_factory.mktemp("two_rank")
+    proc = _torchrun(tmp, [*BASE, "--total-timesteps", "512", "--run-dir", str(tmp / "run")])
+    return tmp, proc
+
+
+def test_two_ranks_hold_identical_parameters_after_every_update(two_rank_run):
+    tmp, proc = two_rank_run
+    _ok(proc)
+    rows = _checksums(tmp)
+    assert [u for u, _ in rows] == [1, 2, 3, 4]
+    assert all(len(d) == 2 and d[0] == d[1] for _, d in rows), rows
+    assert len({d[0] for _, d in rows}) == 4  # the weights moved every update
+    # Rank 0 alone wrote the run dir, counting both ranks' steps: 128 per update.
+    assert proc.stdout.count("run dir:") == 1
+    metrics = _metrics(tmp / "run")
+    assert [int(float(m["global_step"])) for m in metrics] == [128, 256, 384, 512]
+    assert not list((tmp / "tmp").glob("ppokit-rank*"))  # rank 1's scratch logs are gone
+
+
+def test_negative_control_without_gradient_sync_the_ranks_drift_apart(tmp_path):
+    proc = _torchrun(tmp_path, [*BASE, "--total-timesteps", "256", "--run-dir", str(tmp_path / "run")],
+                     **{distributed.NO_SYNC_VAR: "1"})
+    _ok(proc)
+    rows = _checksums(tmp_path)
+    assert len(rows) == 2 and all(d[0] != d[1] for _, d in rows), rows
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory):
+    """Two torchrun agents meeting at one c10d rendezvous endpoint, as two machines would: the autograd path
+    with a small target_kl and a large step, so that KL early stopping fires in every update, at different
+    minibatches (each rank's own KL would cross the threshold at different points: a per-rank decision hangs)."""
+    tmp = tmp_path_factory.mktemp("two_node")
+    port = _free_port()
+    launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                "--rdzv_id=ppokit-test", "--max_restarts=0"]
+    args = [*BASE, "--total-timesteps", "384", "--no-fused-update", "--target-kl", "0.003",
+            "--learning-rate", "0.01", "--update-epochs", "4", "--num-minibatches", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "ppokit", "train", *args]
+    env = _env(tmp)
+    nodes = [subprocess.Popen([*cmd, "--run-dir", str(tmp / f"run{i}")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    return tmp, [(p.returncode, *out) for p, out in zip(nodes, outs)]
+
+
+def test_two_nodes_by_rendezvous_hold_identical_parameters(two_node_run):
+    tmp, results = two_node_run
+    for rc, out, err in results:
+        assert rc == 0, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
+    rows = _checksums(tmp)
+    assert [u for u, _ in rows] == [1, 2, 3]
+    assert all(d[0] == d[1] for _, d in rows) and len({d[0] for _, d in rows}) == 3
+
+
+def test_kl_early_stop_on_every_rank_together_does_not_hang(two_node_run):
+    tmp, results = two_node_run
+    assert all(rc == 0 for rc, *_ in results)
+    run_dir = next(p for p in (tmp / "run0", tmp / "run1") if (p / "metrics.csv").exists())
+    metrics = _metrics(run_dir)
+    # Both ranks stopped together in every update (the checksums agree), after different numbers of steps.
+    assert [float(m["diag/early_stopped"]) for m in metrics] == [1.0] * 3
+    applied = [float(m["diag/minibatches"]) for m in metrics]
+    assert min(applied) >= 1 and max(applied) < 16 and len(set(applied)) > 1, applied
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
+    from ppokit.trainer import resume
+
+    src, proc = two_rank_run
+    _ok(proc)
+    shutil.copytree(src / "run", tmp_path / "run")
+    run = resume(tmp_path / "run", total_timesteps=768, console_enabled=False)
+    # 512 steps were done; one process takes 64 per update: 4 more updates.
+    assert run.global_step == 768
+    steps = [int(float(m["global_step"])) for m in _metrics(tmp_path / "run")]
+    assert steps == [128, 256, 384, 512, 576, 640, 704, 768]
+
+
+def test_one_process_checkpoint_resumes_in_two_ranks(tmp_path):
+    from ppokit.commands.train import config_from_args
+    from ppokit.cli import build_parser
+    from ppokit.trainer import train
+
+    args = build_parser().parse_args(["train", *BASE, "--total-timesteps", "128"])
+    train(config_from_args(args), run_dir=tmp_path / "run", console_enabled=False)  # 2 updates of 64
+    proc = _torchrun(tmp_path, ["--resume", str(tmp_path / "run"), "--total-timesteps", "384", "--quiet"])
+    _ok(proc)
+    rows = _checksums(tmp_path)
+    assert [u for u, _ in rows] == [3, 4] and all(d[0] == d[1] for _, d in rows), rows
+    assert [int(float(m["global_step"])) for m in _metrics(tmp_path / "run")] == [64, 128, 256, 384]
+
+
+def test_a_killed_rank_is_named_by_the_survivor_within_the_timeout(tmp_path):
+    """kill -9 of rank 1: rank 0 exits non-zero within dist_timeout, naming rank 1; its checkpoint loads."""
+    from ppokit.checkpoint import LEARNER_KEYS, load_checkpoint
+
+    port, run_dir = _free_port(), tmp_path / "run"
+    args = [*BASE, "--total-timesteps", "10000000", "--save-every", "1", "--dist-timeout", "15",
+            "--run-dir", str(run_dir)]
+    ranks = []
+    for rank in range(2):
+        env = _env(tmp_path, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        ranks.append(subprocess.Popen([sys.executable, "-m", "ppokit", "train", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (run_dir / "checkpoint.pt").exists():
+            assert time.monotonic() < deadline and ranks[0].poll() is None, "no checkpoint was written"
+            time.sleep(0.2)
+        ranks[1].send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        _, err = ranks[0].communicate(timeout=15 + 30)
+        waited = time.monotonic() - start
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    assert ranks[0].returncode == 1, err[-3000:]
+    assert waited < 15 + 10
+    assert "lost rank 1" in err and "Traceback" not in err, err[-3000:]
+    state = load_checkpoint(run_dir / "checkpoint.pt", require_finite=LEARNER_KEYS)
+    assert state["update"] >= 1
+
+
+# ---------------------------------------------------------------------- units (no process group)
+def test_combine_moments_equals_the_moments_of_the_concatenation():
+    torch.manual_seed(0)
+    parts = [torch.randn(n, 3, dtype=torch.float64) * 5 + 2 for n in (7, 1, 12)]
+    n = torch.tensor([7.0, 1.0, 12.0, 0.0], dtype=torch.float64)
+    nan = torch.full((1, 3), float("nan"), dtype=torch.float64)  # an empty part's moments must not leak
+    mean = torch.cat([torch.stack([p.mean(0) for p in parts]), nan])
+    var = torch.cat([torch.stack([p.var(0, unbiased=False) for p in parts]), nan])
+    total, mu, v = combine_moments(n, mean, var)
+    allx = torch.cat(parts)
+    assert total == 20
+    torch.testing.assert_close(mu, allx.mean(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(v, allx.var(0, unbiased=False), rtol=0, atol=1e-12)
+
+
+def test_merged_normalizer_statistics_equal_one_normalizer_over_every_rank_batch(monkeypatch):
+    """Rank 0's RunningMeanStd, merging a peer's batches through ``Dist.merge_moments`` (the all-gather replaced
+    by the peer's row), ends where one RunningMeanStd fed both ranks' batches ends."""
+    torch.manual_seed(1)
+    mine = [torch.randn(4, 2, dtype=torch.float64) for _ in range(5)]
+    peer = [torch.randn(4, 2, dtype=torch.float64) * 3 + 1 for _ in range(5)]
+    dist = Dist(rank=0, world_size=2)
+    rows = iter([torch.cat([torch.tensor([4.0], dtype=torch.float64), b.mean(0), b.var(0, unbiased=False)])
+                 for b in peer])
+    monkeypatch.setattr(dist, "_gather_tensor", lambda row: torch.stack([row, next(rows)]))
+    merged, reference = RunningMeanStd(2), RunningMeanStd(2)
+    merged.reduce = dist.merge_moments
+    for a, b in zip(mine, peer):
+        merged.update(a)
+        reference.update(torch.cat([a, b]))
+    assert float(merged.count) == float(reference.count) == 40
+    torch.testing.assert_close(merged.mean, reference.mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(merged.var, reference.var, rtol=0, atol=1e-12)
+
+
+def test_sync_hook_averages_gradients_and_stats_in_one_all_reduce(monkeypatch):
+    calls = []
+
+    def fake_all_reduce(buf, op=None):  # the peer holds the same tensors plus 2.0 everywhere
+        calls.append(buf.numel())
+        buf.mul_(2).add_(2.0)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", fake_all_reduce)
+    grads = [torch.arange(6.0).view(2, 3), torch.ones(4)]
+    stats = [torch.tensor(0.5), torch.tensor([1.0, -1.0])]
+    Dist(rank=0, world_size=2).sync(grads, stats)
+    assert calls == [13]
+    torch.testing.assert_close(grads[0], torch.arange(6.0).view(2, 3) + 1)
+    torch.testing.assert_close(grads[1], torch.full((4,), 2.0))
+    torch.testing.assert_close(stats[0], torch.tensor(1.5))
+    assert distributed.LOCAL.sync is None  # one process: the epoch loop runs no hook
+
+
+def test_schedule_counts_every_rank_and_reduces_to_num_updates_in_one_process():
+    from ppokit.config import PPOConfig
+
+    cfg = PPOConfig(num_envs=4, num_steps=16, total_timesteps=1000)
+    assert distributed.LOCAL.schedule(1000, 64, 0, 0) == (cfg.num_updates, cfg.num_updates * 64)
+    two = Dist(rank=0, world_size=2)
+    assert two.schedule(1000, 64, 0, 0) == (7, 896)  # 1000 // 128 updates of 128 steps
+    # 1 rank's checkpoint at update 5 (320 steps) resumed on 2 ranks: (1000 - 320) // 128 = 5 more.
+    assert two.schedule(1000, 64, 5, 320) == (10, 960)
+
+
+def test_nproc_relaunch_reproduces_every_given_flag():
+    from ppokit.cli import build_parser
+    from ppokit.commands.train import _child_argv
+
+    argv = ["train", "--nproc", "2", "--env", "CartPole-v1", "--num-envs", "3", "--no-fused-update",
+            "--hidden-sizes", "8,8", "--quiet", "--import-module", "x", "--run-dir", "r"]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    child = parser.parse_args(["train", *_child_argv(args)])
+    assert child.nproc is None
+    assert {k: v for k, v in vars(child).items() if k != "nproc"} == {k: v for k, v in vars(args).items()
+                                                                      if k != "nproc"}
