@@ -89,7 +89,10 @@ class LMTrainer:
         self.policy = model.to(self.device)
         disable_dropout(self.policy)
         if cfg.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            # transformers 5 renamed it (the old name warns that it goes in v6).
+            enable = (getattr(self.policy, "activation_checkpointing_enable", None)
+                      or self.policy.gradient_checkpointing_enable)
+            enable()
         self._adapter_ref = False
         self.ref_model: nn.Module | None = None
         if self.uses_reference:
