@@ -31,6 +31,7 @@ from .buffer import RolloutBuffer
 from .config import ConfigError
 from .encoders import MASK_KEY, obs_copy_, obs_index, obs_map, obs_to_tensor, observation_encoder
 from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
+from .hostnorm import HostNormalizers
 from .normalize import ObsNormalizer, RewardScaler
 from .policies import mask_logits
 
@@ -77,6 +78,9 @@ class Collector:
         self.mask_dim = sum(policy.action_dims) if self.masked else None
         self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device, self.mask_dim,
                                       obs_layout=self.encoder.layout())
+        # One env on the CPU: the normalizers' per-step arithmetic runs on the host, bit for bit (hostnorm).
+        self.host_norm = HostNormalizers(obs_norm, reward_scaler) \
+            if HostNormalizers.applies(self.num_envs, device, obs_norm, reward_scaler) else None
         self.next_mask: np.ndarray | None = None  # [N, n_logits] bool: the actions allowed at next_obs_raw
         N = self.num_envs
         self.next_obs_raw: Any = None  # [N, obs_dim] float32, encoded (Discrete: one-hot; image: uint8; Dict: dict)
@@ -141,6 +145,7 @@ class Collector:
         rollout_start = step = global_step  # the step count the last update's state belongs to
         act = self.acting.act
         obs = self.normalize(obs_to_tensor(self.next_obs_raw, dev))
+        hn = self.host_norm if self.host_norm is not None and self.host_norm.load() else None
         buf.has_final.zero_()
         t_inference = 0.0
         # Per-step scalars the update needs only after the rollout are gathered on the host and moved to the
@@ -149,15 +154,18 @@ class Collector:
         # Per-step views made once (a tensor __setitem__ per field and step costs more than the copy itself).
         step_views = list(zip(buf.actions.unbind(0), buf.logp.unbind(0), buf.values.unbind(0)))
         obs_views = [obs_index(buf.obs, t) for t in range(self.num_steps)]  # each part's [N, ...] view of step t
+        # One inference-mode context object, entered at each step: building one per step costs more than a
+        # one-env step's acting ops.
+        inference = torch.inference_mode()
         for t in range(self.num_steps):
             t0 = time.perf_counter()
             if self.masked:
                 mask = torch.as_tensor(self.next_mask, device=dev)
                 buf.masks[t].copy_(mask)
-                with torch.inference_mode():
+                with inference:
                     actions, logp, values = act(obs, action_mask=mask)
             else:
-                with torch.inference_mode():
+                with inference:
                     actions, logp, values = act(obs)
             obs_copy_(obs_views[t], obs)
             for dest, src in zip(step_views[t], (actions, logp, values)):
@@ -165,7 +173,8 @@ class Collector:
             env_actions = actions.cpu().numpy()
             if self.action_bounds is not None:
                 # The log-prob is of the unclipped sample; only the env sees the clipped action.
-                env_actions = np.clip(env_actions, *self.action_bounds)
+                # np.clip's values (NaN included) by two ufuncs, without its Python-level dispatch.
+                env_actions = np.minimum(np.maximum(env_actions, self.action_bounds[0]), self.action_bounds[1])
             t1 = time.perf_counter()
             t_inference += t1 - t0
             try:
@@ -220,17 +229,24 @@ class Collector:
             self.prev_done = done
 
             host[0, t], host[1, t], host[2, t], host[3, t] = reward, terminated, truncated, valid
-            if self.reward_scaler is not None:
+            if hn is not None and self.reward_scaler is not None:
+                host[0, t] = hn.scale(reward[0], done[0])  # moved to the buffer with the raw rewards' transfer
+            elif self.reward_scaler is not None:
                 # The running return is sequential in time, so scaled rewards are written step by step.
                 buf.rewards[t] = self.reward_scaler.scale(torch.as_tensor(reward, dtype=torch.float32, device=dev),
                                                           torch.as_tensor(done, device=dev))
 
-            # One host-to-device transfer per step: the next observation, which the policy needs to act.
-            next_obs_t = obs_to_tensor(next_obs, dev)
-            if self.obs_norm is not None:
-                self.obs_norm.update(obs_index(next_obs_t, torch.as_tensor(~bad, device=dev)) if bad.any()
-                                     else next_obs_t)
-            obs = self.normalize(next_obs_t)
+            if hn is not None and self.obs_norm is not None:
+                if not bad[0]:
+                    hn.update_obs(next_obs)
+                obs = torch.from_numpy(hn.normalize(next_obs))
+            else:
+                # One host-to-device transfer per step: the next observation, which the policy needs to act.
+                next_obs_t = obs_to_tensor(next_obs, dev)
+                if self.obs_norm is not None:
+                    self.obs_norm.update(obs_index(next_obs_t, torch.as_tensor(~bad, device=dev)) if bad.any()
+                                         else next_obs_t)
+                obs = self.normalize(next_obs_t)
             if self.same_step and truncated.any():
                 self._bootstrap_truncated(t, truncated, info, step, rollout_start)
             self.next_obs_raw = next_obs
@@ -240,7 +256,7 @@ class Collector:
                 f"every step of this rollout had a NaN/Inf/None reward or observation ({nonfinite} steps); "
                 "nothing to train on"))
         host_t = torch.as_tensor(host, device=dev)
-        if self.reward_scaler is None:
+        if self.reward_scaler is None or hn is not None:
             buf.rewards.copy_(host_t[0])
         buf.terminated.copy_(host_t[1])
         buf.truncated.copy_(host_t[2])
