@@ -328,7 +328,7 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
         raise ConfigError("total_timesteps", f"the budget must be a positive integer number of steps, got {budget!r}")
     known = known_settings(env_id)
     notes: list[str] = []
-    atari = known is not None and known[0].startswith("CleanRL ppo_atari")
+    atari = known is not None and known[2] == "atari"
     pr = EnvProbe(env_id)
     # The probe builds the env the run will train on: with the env_kwargs given (a required one has no default).
     given = {k.replace("-", "_"): v for k, v in (overrides or {}).items()}
@@ -345,7 +345,11 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
             pr.notes.append(f"{env_id} could not be created here ({package} is probably not installed), so it was "
                             f"not probed; the known values are used. Install {package} to train it")
     notes += pr.notes
-    if pr.image or atari:
+    if atari:
+        notes.append("Atari: ppokit's Atari wrappers (atari.py: no-op reset, max-and-skip 4, episodic life, fire "
+                     "reset, 84x84 grayscale, reward sign, 4 stacked frames) feed the Nature CNN shared by actor and "
+                     "critic; evaluation reports whole-game, unclipped scores")
+    elif pr.image:
         notes.append("image observations: ppokit's MLP policy flattens the pixels and is not suited to them (a CNN "
                      "policy with frame stacking/resizing is the usual choice); planned anyway")
 
