@@ -57,6 +57,7 @@ class Run:
     global_step: int
     alerts: list[dict] = field(default_factory=list)
     interrupted: bool = False
+    stopped_by_callback: str | None = None  # the callback whose on_update returned False (callbacks.py)
 
     @property
     def checkpoint(self) -> Path:
@@ -90,9 +91,13 @@ class Trainer:
 
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
-                 env: Any = None):
+                 env: Any = None, callbacks: Any = None):
+        from .callbacks import CallbackList
         from .envs import check_env_id, check_spaces, resolve_env
         from .logger import MetricsLogger
+
+        self.callbacks = CallbackList(callbacks)  # checked before anything is built
+        self._callback_stop: str | None = None  # the name of the callback that asked to stop
 
         # env: None (config.env_id), a registered id, a zero-arg factory or a gymnasium.Env (see train()).
         config, self.custom_env = resolve_env(env, config)
@@ -224,7 +229,8 @@ class Trainer:
         start_step = self.global_step
         saved_update = self.update_idx  # the update the run dir's checkpoint holds (none yet counts as current)
         try:
-            while self.update_idx < self.num_updates and not self._stop_requested and not self._solved:
+            while (self.update_idx < self.num_updates and not self._stop_requested and not self._solved
+                   and self._callback_stop is None):
                 # By steps: the same fraction as update / num_updates, and continuous when a resume changes the
                 # number of ranks (global_step counts every rank's steps).
                 frac = 1.0 - self.global_step / self.end_step
@@ -267,6 +273,8 @@ class Trainer:
                 self.logger.log(self.global_step, metrics)
                 for alert in self.monitor.check(self.update_idx, metrics):
                     self.logger.alert(self.global_step, alert.level, alert.name, alert.message, alert.data)
+                if self.callbacks:
+                    self._run_update_callbacks(metrics)
 
                 # 5. Checkpoint. The row above is written first; a run killed before this save logs the update
                 # again when resumed, and the resume drops the old row (rundir.trim_to_checkpoint).
@@ -275,7 +283,8 @@ class Trainer:
                 if stopping:
                     self._note_interrupt()
                 if self.dist.is_main and (stopping or self.update_idx % cfg.save_every == 0
-                                          or self.update_idx == self.num_updates or self._solved):
+                                          or self.update_idx == self.num_updates or self._solved
+                                          or self._callback_stop is not None):
                     self.save()
                     saved_update = self.update_idx
                 self.perf["logging"] += time.perf_counter() - t0
@@ -293,7 +302,18 @@ class Trainer:
         wall = time.perf_counter() - start_time
         self._finish(wall, start_step)
         return Run(self.run_dir, cfg, self.metrics, self.policy, self.global_step,
-                   list(self.logger.alerts), self._stop_requested)
+                   list(self.logger.alerts), self._stop_requested, self._callback_stop)
+
+    def _run_update_callbacks(self, metrics: dict[str, float]) -> None:
+        """Every callback's ``on_update``; one returning False ends the run after this update (callbacks.py)."""
+        from .callbacks import UpdateInfo
+
+        name = self.callbacks.on_update(UpdateInfo(self.update_idx, self.global_step, metrics, self.run_dir, self))
+        if self.dist.any(name is not None) and self._callback_stop is None:  # every rank stops together
+            self._callback_stop = name or "a callback on another rank"
+            self.logger.alert(self.global_step, "info", "stopped_by_callback",
+                              f"callback {self._callback_stop} returned False after update {self.update_idx}; "
+                              "saving a checkpoint and ending the run")
 
     # ================================================================== 1. rollout
     def collect_rollout(self) -> tuple[list[tuple[float, int]], int]:
@@ -488,6 +508,8 @@ class Trainer:
             lines["UNSAFE"] = "this run broke the trust-region guard rails (--unsafe)"
         if self._stop_requested:
             lines["stopped"] = f"interrupted; resume with: ppokit train --resume {self.run_dir}"
+        if self._callback_stop is not None:
+            lines["stopped"] = f"by callback {self._callback_stop} after update {self.update_idx}"
         if self._solved:
             lines["solved"] = (f"evaluation return {self.metrics[-1][S.EVAL_RETURN]:.1f} >= "
                                f"{self.config.eval_threshold} at update {self.update_idx}; stopped early")
@@ -574,6 +596,7 @@ class Trainer:
         # NaN/Inf is refused in the learner only: env buffers may hold what the env emitted (those steps are
         # skipped in training), and refusing them would lose the run at its next save.
         ckpt.save_checkpoint(path, self.state() if state is None else state, finite=ckpt.LEARNER_KEYS)
+        self.callbacks.on_checkpoint(path)
         return path
 
     def _load_state(self, state: dict[str, Any]) -> None:
@@ -638,7 +661,7 @@ def _install_sigint(trainer: Trainer):
 
 
 def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
-          console_enabled: bool = True, overwrite: bool = False, env: Any = None) -> Run:
+          console_enabled: bool = True, overwrite: bool = False, env: Any = None, callbacks: Any = None) -> Run:
     """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
 
     ``env`` (default: ``config.env_id``) is a registered id, a zero-argument factory returning a ``gymnasium.Env``
@@ -649,19 +672,23 @@ def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = N
 
     A run dir that already holds a run is refused (``rundir.RunDirError``) unless ``overwrite=True``, which first
     removes the old run's files; continue a run with ``resume`` instead.
+
+    ``callbacks``: objects with ``on_update(info)`` (returning False stops the run after that update, with a
+    checkpoint) and/or ``on_checkpoint(path)``, or plain functions taken as ``on_update`` (see ``callbacks``).
     """
     return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled,
-                   overwrite=overwrite, env=env).run()
+                   overwrite=overwrite, env=env, callbacks=callbacks).run()
 
 
 def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
-           console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = (), env: Any = None) -> Run:
+           console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = (), env: Any = None,
+           callbacks: Any = None) -> Run:
     """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
 
     A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
     checkpoint alone never decides what code is imported. A run trained on a custom env (``train(env=factory)``)
     needs that env again as ``env``; ``env`` may also replace a stored id. A damaged, diverged or mismatched
-    checkpoint raises ``CheckpointError``.
+    checkpoint raises ``CheckpointError``. ``callbacks`` as for ``train``.
     """
     from .agent import stored_config
 
@@ -672,5 +699,5 @@ def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any
     if total_timesteps is not None:
         config.total_timesteps = total_timesteps
     trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state,
-                      env=env)
+                      env=env, callbacks=callbacks)
     return trainer.run()
