@@ -93,9 +93,13 @@ def test_two_ranks_hold_identical_parameters_after_every_update(two_rank_run):
 
 
 def test_negative_control_without_gradient_sync_the_ranks_drift_apart(tmp_path):
-    proc = _torchrun(tmp_path, [*BASE, "--total-timesteps", "256", "--run-dir", str(tmp_path / "run")],
-                     **{distributed.NO_SYNC_VAR: "1"})
+    """Launched with the ``--nproc 2`` shortcut (which re-runs the command under torchrun)."""
+    cmd = [sys.executable, "-m", "ppokit", "train", "--nproc", "2", *BASE, "--total-timesteps", "256",
+           "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, env=_env(tmp_path, **{distributed.NO_SYNC_VAR: "1"}), capture_output=True,
+                          text=True, timeout=TIMEOUT)
     _ok(proc)
+    assert proc.stdout.count("run dir:") == 1
     rows = _checksums(tmp_path)
     assert len(rows) == 2 and all(d[0] != d[1] for _, d in rows), rows
 
@@ -279,3 +283,26 @@ def test_nproc_relaunch_reproduces_every_given_flag():
     assert child.nproc is None
     assert {k: v for k, v in vars(child).items() if k != "nproc"} == {k: v for k, v in vars(args).items()
                                                                       if k != "nproc"}
+
+
+def test_env_and_torch_seeds_of_the_ranks_never_overlap():
+    # 2 ranks x 4 envs step the envs of one process with 8 envs: seeds 5..12, each once.
+    seeds = [Dist(rank=r, world_size=2).env_seed(5, 4) + i for r in range(2) for i in range(4)]
+    assert seeds == list(range(5, 13))
+    assert [Dist(rank=r, world_size=2).seed(5) for r in range(2)] == [5, 6]
+    assert distributed.LOCAL.env_seed(5, 4) == distributed.LOCAL.seed(5) == 5
+
+
+def test_the_collector_is_the_rollout_source_the_trainer_reads(tmp_path):
+    from ppokit.config import PPOConfig
+    from ppokit.rollout_source import RolloutSource
+    from ppokit.trainer import Trainer
+
+    trainer = Trainer(PPOConfig(env_id="CartPole-v1", num_envs=2, num_steps=8, total_timesteps=16,
+                                tensorboard=False), run_dir=tmp_path / "run", console_enabled=False)
+    try:
+        assert isinstance(trainer.collector, RolloutSource)
+        assert trainer.dist is distributed.LOCAL  # no torchrun: one process, nothing synchronised
+    finally:
+        trainer.envs.close()
+        trainer._claim.release()
