@@ -199,6 +199,7 @@ def test_save_then_resume_continues_with_identical_metrics(cls, base, tmp_path):
     assert resumed.iteration == 2
     assert _same(resumed.train(2), expected)
     assert (tmp_path / "ckpt" / "policy" / "config.json").exists()
+    assert (tmp_path / "ckpt" / "value_head.safetensors").exists() == (cls is PPOTrainer)
     # A trained policy passed as the starting model would rebuild the wrong pi_ref: refused.
     with pytest.raises(ValueError, match="reference model differs"):
         cls.resume(tmp_path / "ckpt", t.policy, base[1], reward=reward, prompts=PROMPTS)
@@ -241,13 +242,14 @@ def test_offload_and_gradient_checkpointing_compute_the_same_run(base):
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6, nan_ok=True), k
 
 
-def test_a_lora_policy_uses_its_base_as_pi_ref_and_keeps_the_base_weights(base):
+@pytest.mark.parametrize("cls", [GRPOTrainer, PPOTrainer])
+def test_a_lora_policy_uses_its_base_as_pi_ref_and_keeps_the_base_weights(cls, base):
     peft = pytest.importorskip("peft", reason="needs pip install -e '.[lora]'")
     model = peft.get_peft_model(copy.deepcopy(base[0]),
                                 peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
                                                 init_lora_weights=False))
     frozen = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
-    t = GRPOTrainer(model, base[1], reward=reward, prompts=PROMPTS, config=LMConfig(**FAST))
+    t = cls(model, base[1], reward=reward, prompts=PROMPTS, config=LMConfig(**FAST))
     assert t.ref_model is None and t.has_reference  # no second copy of the weights
     ids, attn = encode_prompts(base[1], ["XA:"], base[1].pad_token_id, torch.device("cpu"))
     with torch.no_grad():
