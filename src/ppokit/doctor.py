@@ -137,6 +137,10 @@ def load_run(run_dir: str | Path) -> RunData:
             dim = int((spec.get("action_dims") or [1])[0]) if kind == "continuous" else 1
         except Exception:  # noqa: BLE001 - a damaged checkpoint must not stop the diagnosis
             kind = None
+    if not config:  # a language-model run keeps its config in lm_run.json
+        from .doctor_lm import lm_run_config
+
+        config = lm_run_config(run_dir)
     unsafe = bool(config.get("unsafe")) or (run_dir / "UNSAFE").exists()
     return RunData(run_dir, cols, alerts, config, kind, dim, unsafe)
 
@@ -162,6 +166,10 @@ def return_trend(run: RunData) -> tuple[bool, str]:
 def diagnose(run_dir: str | Path) -> Diagnosis:
     """Diagnose the run in ``run_dir``: ``RULES`` in order, problems ranked as in the module docstring."""
     run = load_run(run_dir)
+    from .doctor_lm import diagnose_lm, is_lm_run  # language-model runs have their own rules
+
+    if is_lm_run(run):
+        return diagnose_lm(run)
     n = len(run.updates)
     if n == 0:
         f = Finding("no_updates", "the run logged no update", ["metrics.csv has no rows"],

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import schema as S
 from .doctor import Diagnosis, diagnose, load_run
+from .doctor_lm import LM_CURVES, is_lm_run
 from .plots import CLIPFRAC_BAND, KL_ALARM, KL_WARN, PLAIN_TEXT, _new_figure
 
 __all__ = ["build_report", "write_report", "CURVES"]
@@ -53,7 +54,8 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _curve(steps: list[float], ys: list[float], column: str, title: str, ylabel: str, alerts: list[dict]) -> str:
+def _curve(steps: list[float], ys: list[float], column: str, title: str, ylabel: str, alerts: list[dict],
+           xlabel: str = "environment steps") -> str:
     fig = _new_figure(figsize=(6.0, 3.2), layout="constrained")
     ax = fig.subplots()
     pts = [(x, y) for x, y in zip(steps, ys) if math.isfinite(x) and math.isfinite(y)]
@@ -81,7 +83,7 @@ def _curve(steps: list[float], ys: list[float], column: str, title: str, ylabel:
         if a.get("level") == "alert":
             ax.axvline(float(a.get("step", 0)), color="tab:red", alpha=0.25, lw=0.8)
     ax.set_title(title)
-    ax.set_xlabel("environment steps")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.25)
     return _png(fig)
@@ -131,9 +133,12 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
     run = load_run(run_dir)
     diag = diagnosis or diagnose(run_dir)
     alerts = _clean_alerts(run.alerts)
-    steps = run.col(S.GLOBAL_STEP)
+    # A language-model run (ppokit.lm) is plotted per iteration, with its own curves (doctor_lm.LM_CURVES).
+    lm = is_lm_run(run)
+    curves, xlabel = (LM_CURVES, "iteration") if lm else (CURVES, "environment steps")
+    steps = run.col(S.UPDATE if lm else S.GLOBAL_STEP)
     max_step = max([s for s in steps if math.isfinite(s)] or [0.0])
-    env_id = run.config.get("env_id", "?")
+    env_id = run.config.get("env_id", "language model" if lm else "?")
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>ppokit report: {_esc(env_id)} ({_esc(Path(run_dir).name)})</title>",
              f"<style>{_CSS}</style></head><body>"]
@@ -144,8 +149,10 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
         parts.append(f'<div class="unsafe-banner" id="unsafe">UNSAFE run: started with --unsafe, outside the '
                      f"trust-region guard rails; treat it as an ablation.{reasons}</div>")
     parts.append(f"<h1>{'UNSAFE run: ' if run.unsafe else ''}{_esc(env_id)}</h1>")
-    parts.append(f"<p>Run directory <code>{_esc(run.run_dir)}</code>: {len(run.updates)} updates, "
-                 f"{int(max_step):,} environment steps, algo {_esc(run.config.get('algo', '?'))}.</p>")
+    size = f"{len(run.updates)} iterations" if lm else (f"{len(run.updates)} updates, {int(max_step):,} "
+                                                         "environment steps")
+    parts.append(f"<p>Run directory <code>{_esc(run.run_dir)}</code>: {size}, "
+                 f"algo {_esc(run.config.get('algo', '?'))}.</p>")
 
     # Doctor
     cls = "healthy" if diag.healthy else "problem"
@@ -164,8 +171,8 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
 
     # Curves
     parts.append('<h2 id="curves">Training curves</h2><div class="plots">')
-    for column, title, ylabel in CURVES:
-        img = _curve(steps, run.col(column), column, title, ylabel, alerts)
+    for column, title, ylabel in curves:
+        img = _curve(steps, run.col(column), column, title, ylabel, alerts, xlabel)
         slug = column.replace("/", "-")
         parts.append(f'<figure class="plot" id="plot-{slug}"><img alt="{_esc(title)}" '
                      f'src="data:image/png;base64,{img}"><figcaption>{_esc(title)} ({_esc(column)})</figcaption></figure>')
