@@ -20,6 +20,7 @@ _COMMAND_MODULES = [
     "ppokit.commands.report",
     "ppokit.commands.sweep",
     "ppokit.commands.compare",
+    "ppokit.commands.lm",
 ]
 
 

@@ -1,0 +1,344 @@
+"""``ppokit lm ppo|grpo|dpo|demo``: train a local Hugging Face causal LM with PPO-RLHF, GRPO or DPO.
+
+``ppokit lm grpo --model DIR --reward mymod:fn --prompts prompts.jsonl`` reads any directory ``from_pretrained``
+reads (nothing is downloaded), imports the reward function from the current directory (the user typed its name),
+trains and saves the policy into the run directory. ``ppokit lm demo`` is the self-contained CPU demo.
+
+Every ``LMConfig`` field is a flag (``--kl-coef``, ``--group-size``, ...). Building that parser needs torch, and
+``ppokit --help`` must stay light (tests/test_startup.py), so the top-level parser only routes ``ppokit lm ALGO``
+here with the rest of the command line unparsed; the handler builds the full parser and parses it strictly.
+Bad input (model dir, reward, prompts, pairs, config value) is one ``error:`` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+LM_EXTRA_HINT = "ppokit lm needs the language-model extra: pip install -e '.[lm]'"
+ALGOS = ("ppo", "grpo", "dpo")
+
+
+class _Deferred(argparse.ArgumentParser):
+    """A subcommand parser that keeps its whole command line for the handler instead of parsing it now."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace = namespace if namespace is not None else argparse.Namespace()
+        namespace.lm_argv = list(args if args is not None else sys.argv[1:])
+        for action in self._actions:  # defaults (handler, lm_command) set through set_defaults
+            if action.dest is not argparse.SUPPRESS and not hasattr(namespace, action.dest):
+                setattr(namespace, action.dest, action.default)
+        for key, value in self._defaults.items():
+            setattr(namespace, key, value)
+        return namespace, []
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("lm", help="language models: PPO-RLHF, GRPO and DPO on a local model directory; the demo",
+                       description="Train a local Hugging Face causal LM (a directory from_pretrained reads) with "
+                                   "PPO-RLHF, GRPO or DPO, or run the CPU demo. `ppokit lm ALGO --help` lists "
+                                   "every option. Needs pip install -e '.[lm]'.")
+    lm_sub = p.add_subparsers(dest="lm_command", metavar="ALGO", parser_class=_Deferred)
+    helps = {"ppo": "PPO-RLHF: per-token KL to pi_ref in the reward, a value model, GAE over response tokens",
+             "grpo": "GRPO: G completions per prompt, group-normalised advantages, no critic",
+             "dpo": "DPO: preference pairs (prompt, chosen, rejected), no reward function, no sampling",
+             "demo": "the self-contained CPU demo: SFT a tiny GPT-2, then PPO, GRPO and DPO (under a minute)"}
+    for name, text in helps.items():
+        q = lm_sub.add_parser(name, help=text, add_help=False)
+        q.set_defaults(handler=run, lm_command=name)
+    p.set_defaults(handler=_no_algo, lm_parser=p)
+
+
+def _no_algo(args: argparse.Namespace) -> int:
+    args.lm_parser.print_help()
+    return 2
+
+
+# ---------------------------------------------------------------- the full parsers (built in the handler)
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    """One kebab-case flag per ``LMConfig`` field, help from the field's metadata; values parsed by type."""
+    import dataclasses
+
+    from ppokit.lm.config import LMConfig
+
+    group = parser.add_argument_group("LMConfig fields")
+    for f in dataclasses.fields(LMConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        if str(f.type) == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=help_text)
+
+
+def _full_parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"ppokit lm {command}")
+    if command == "demo":
+        p.add_argument("--seed", type=int, default=1, help="seed of the whole demo (default: 1)")
+        p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+        p.add_argument("--out", metavar="DIR", default="runs/lm_demo",
+                       help="directory for the plot and the PPO/GRPO run directories (default: runs/lm_demo)")
+        p.add_argument("--quiet", action="store_true", help="print only the summary")
+        return p
+    p.add_argument("--model", required=True, metavar="DIR", help="model directory (from_pretrained; no download)")
+    if command == "dpo":
+        p.add_argument("--pairs", required=True, metavar="FILE",
+                       help='JSONL of {"prompt": ..., "chosen": ..., "rejected": ...} preference pairs')
+    else:
+        p.add_argument("--reward", required=True, metavar="MODULE:FUNCTION",
+                       help="reward_fn(prompts, completions, **info) -> list[float], imported from the current "
+                            "directory (or installed packages)")
+        p.add_argument("--prompts", required=True, metavar="FILE",
+                       help='prompts: a JSONL file ({"prompt": ...} per line) or a text file (one per line)')
+    p.add_argument("--iterations", type=int, default=20, help="training iterations (DPO: optimizer steps; "
+                                                               "default: 20)")
+    p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/lm_<algo>__s<seed>__<time>)")
+    p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of every weight; "
+                                                       "pi_ref is then the base model with the adapter disabled")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
+    _config_flags(p)
+    return p
+
+
+def _parse_value(text: str, kind: str, name: str):
+    """A flag's text as the field's type (``none`` for an optional field); ConfigError naming the field."""
+    from ppokit.config import ConfigError
+
+    if "None" in kind and text.strip().lower() in ("none", "null", ""):
+        return None
+    base = kind.split("|")[0].strip()
+    try:
+        if base == "int":
+            return int(text)
+        if base == "float":
+            return float(text)
+    except ValueError:
+        raise ConfigError(name, f"must be {'an integer' if base == 'int' else 'a number'}, got {text!r}") from None
+    return text
+
+
+def config_from_args(args: argparse.Namespace, **fixed):
+    """A validated ``LMConfig`` from the flags that were given (others keep their defaults) plus ``fixed``."""
+    import dataclasses
+
+    from ppokit.lm.config import LMConfig
+
+    data = dict(fixed)
+    for f in dataclasses.fields(LMConfig):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        data[f.name] = value if isinstance(value, bool) else _parse_value(value, str(f.type), f.name)
+    return LMConfig.from_dict(data)
+
+
+# ---------------------------------------------------------------- inputs, each refused in one line
+class InputError(Exception):
+    """Bad user input: printed as one ``error:`` line, exit code 2."""
+
+
+def check_model_dir(path: str):
+    """The directory as a Path when it looks like a model directory (cheap: before anything is imported)."""
+    from pathlib import Path
+
+    d = Path(path)
+    if not d.is_dir():
+        raise InputError(f"--model {path}: no such directory (give a local model directory; nothing is downloaded)")
+    if not (d / "config.json").is_file():
+        raise InputError(f"--model {path}: not a model directory (no config.json; save one with save_pretrained)")
+    return d
+
+
+def load_model_dir(path: str, *, device: str = "cpu"):
+    """``(model, tokenizer)`` from a local model directory; InputError when it is not one."""
+    d = check_model_dir(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).to(device)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ... for bad dirs
+        raise InputError(f"--model {path}: cannot be loaded: {type(exc).__name__}: {_first_line(exc)}") from None
+    return model, tokenizer
+
+
+def load_reward(spec: str):
+    """The callable named by ``module:function``, the module imported with the current directory first on the path.
+
+    Importing runs the user's module; that is what they asked for by typing its name (as ``--env mymod:Env``)."""
+    import importlib
+    import os
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise InputError(f"--reward {spec}: expected MODULE:FUNCTION, e.g. mymod:reward_fn")
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name.split(".")[0] or exc.name == module_name:
+            raise InputError(f"--reward {spec}: no module {module_name!r} in {cwd} or the installed packages") \
+                from None
+        raise InputError(f"--reward {spec}: importing {module_name} failed: {type(exc).__name__}: "
+                         f"{_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
+        raise InputError(f"--reward {spec}: importing {module_name} failed: {type(exc).__name__}: "
+                         f"{_first_line(exc)}") from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise InputError(f"--reward {spec}: module {module_name} has no attribute {attr!r}")
+    if not callable(fn):
+        raise InputError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def load_prompt_file(path: str) -> list[str]:
+    """Prompts from a JSONL or text file through ``ppokit.lm.load_prompts``; InputError naming the file."""
+    from pathlib import Path
+
+    from ppokit.lm import load_prompts
+
+    if not Path(path).is_file():
+        raise InputError(f"--prompts {path}: no such file")
+    try:
+        prompts = list(load_prompts(path))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise InputError(f"--prompts {path}: {_first_line(exc)}") from None
+    if not prompts:
+        raise InputError(f"--prompts {path}: no prompts in the file")
+    return prompts
+
+
+def load_pairs(path: str) -> list[tuple[str, str, str]]:
+    """``(prompt, chosen, rejected)`` triples from a JSONL file; InputError naming the file and the line."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"--pairs {path}: no such file")
+    pairs = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"--pairs {path}: line {i} is not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("prompt", "chosen",
+                                                                                        "rejected")):
+            raise InputError(f"--pairs {path}: line {i} needs string fields prompt, chosen and rejected")
+        pairs.append((row["prompt"], row["chosen"], row["rejected"]))
+    if not pairs:
+        raise InputError(f"--pairs {path}: no pairs in the file")
+    return pairs
+
+
+def apply_lora(model, r: int):
+    """Wrap ``model`` in a LoRA adapter of rank ``r`` (peft picks the target modules for known architectures)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise InputError("--lora needs peft: pip install -e '.[lora]'") from None
+    if r < 1:
+        raise InputError(f"--lora-r {r}: must be a positive integer")
+    try:
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    except ValueError as exc:  # an architecture peft has no default target modules for
+        raise InputError(f"--lora: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------- handler
+def run(args: argparse.Namespace) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"error: {LM_EXTRA_HINT}", file=sys.stderr)
+        return 2
+    command = args.lm_command
+    parser = _full_parser(command)
+    full = parser.parse_args(args.lm_argv)  # argparse's own usage errors exit 2
+    from ppokit.config import ConfigError
+
+    try:
+        if command == "demo":
+            from ppokit.lm.demo import run_demo
+
+            run_demo(seed=full.seed, json_path=full.json, out_dir=full.out, quiet=full.quiet)
+            return 0
+        return _train(command, full)
+    except (InputError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _default_run_dir(command: str, seed: int):
+    import time
+    from pathlib import Path
+
+    base = Path("runs") / f"lm_{command}__s{seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}_{k}")
+    return path
+
+
+def _train(command: str, full: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if full.iterations < 1:
+        raise InputError(f"--iterations {full.iterations}: must be a positive integer")
+    config = config_from_args(full)  # before any model is loaded: a bad value costs nothing
+    check_model_dir(full.model)
+    if command == "dpo":
+        data = load_pairs(full.pairs)
+    else:
+        reward = load_reward(full.reward)
+        data = load_prompt_file(full.prompts)
+    model, tokenizer = load_model_dir(full.model, device=config.device)
+    if full.lora:
+        model = apply_lora(model, full.lora_r)
+    run_dir = Path(full.run_dir) if full.run_dir else _default_run_dir(command, config.seed)
+
+    from ppokit.lm import DPOTrainer, GRPOTrainer, PPOTrainer
+
+    if command == "dpo":
+        trainer = DPOTrainer(model, tokenizer, pairs=data, config=config, run_dir=run_dir)
+        before = trainer.preference_accuracy(data)
+        trainer.train(full.iterations)
+        after = trainer.preference_accuracy(data)
+        summary = f"preference accuracy {before:.3f} -> {after:.3f} on the {len(data)} pairs"
+    else:
+        cls = PPOTrainer if command == "ppo" else GRPOTrainer
+        trainer = cls(model, tokenizer, reward=reward, prompts=data, config=config, run_dir=run_dir)
+        history = trainer.train(full.iterations)
+        summary = _score_summary(history)
+    trainer.save(run_dir)  # run_dir/policy (save_pretrained) + run_dir/trainer_state.pt (resumable)
+    trainer.close()
+    print(f"ppokit lm {command}: {full.iterations} iterations, {summary}")
+    print(f"saved: {run_dir / 'policy'} (from_pretrained reads it); diagnose: ppokit doctor {run_dir}")
+    return 0
+
+
+def _score_summary(history) -> str:
+    from ppokit import schema as S
+
+    name = getattr(S, "SCORE_MEAN", "charts/score_mean")
+    scores = [float(m[name]) for m in history or [] if isinstance(m, dict) and name in m]
+    if not scores:
+        return "no score logged"
+    return f"score mean {scores[0]:.4g} (first iteration) -> {scores[-1]:.4g} (last)"
