@@ -12,6 +12,7 @@ import torch
 from gymnasium import spaces
 
 import ppokit
+from ppokit.cli import main
 from ppokit.config import load_preset
 from ppokit.encoders import BoxEncoder, ImageEncoder, image_layout, observation_encoder
 from ppokit.envs.errors import EnvError, check_obs_batch
@@ -168,3 +169,24 @@ def test_an_hwc_image_env_trains_evaluates_and_acts(tmp_path):
     with pytest.raises(ValueError, match=r"image observation of shape \(3, 40, 40\)"):
         agent.act(frames[0].transpose(2, 0, 1))
     assert len(ppokit.evaluate(agent, episodes=2)["returns"]) == 2
+
+
+IMAGE_ID, SMALL_ID = "ppokit_test/Brightness-v0", "ppokit_test/TinyBrightness-v0"
+if IMAGE_ID not in gym.registry:
+    gym.register(IMAGE_ID, entry_point=_Brightness, kwargs={"shape": (36, 36, 3)})
+    gym.register(SMALL_ID, entry_point=_Brightness, kwargs={"shape": (3, 16, 16)})
+
+
+def test_an_image_env_trains_and_evaluates_from_the_cli(tmp_path, capsys):
+    run_dir = tmp_path / "img"
+    assert main(["train", "--env", IMAGE_ID, "--preset", "gridworld", "--total-timesteps", "256", "--num-envs", "2",
+                 "--run-dir", str(run_dir), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--episodes", "2"]) == 0
+    assert f"{IMAGE_ID}: mean return" in capsys.readouterr().out
+    # Too small for the CNN: one line naming the shape, exit code 2, no traceback.
+    assert main(["train", "--env", SMALL_ID, "--preset", "gridworld", "--total-timesteps", "256",
+                 "--run-dir", str(tmp_path / "small"), "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert "(3, 16, 16)" in captured.err and "too small for the Nature CNN" in captured.err
+    assert "Traceback" not in captured.err + captured.out
