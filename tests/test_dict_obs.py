@@ -169,11 +169,15 @@ def test_a_dict_image_and_vector_env_learns(tmp_path):
 
 def test_a_dict_action_mask_key_is_never_violated(tmp_path):
     _MaskedDict.violations = _MaskedDict.steps = 0
-    cfg = _config(total_timesteps=1024, num_envs=2, ent_coef=0.05)
+    # The evaluation gate (every 2nd update, never "solved") acts on the observation's mask too.
+    cfg = _config(total_timesteps=1024, num_envs=2, ent_coef=0.05, eval_every=2, eval_threshold=1e9,
+                  eval_episodes=2)
     trainer = Trainer(cfg, run_dir=tmp_path / "r", console_enabled=False, env=_MaskedDict)
     assert trainer.masked and not trainer.fused and list(trainer.buffer.obs) == ["observation"]
     run = trainer.run()
     assert _MaskedDict.steps >= 1024 and _MaskedDict.violations == 0
+    gates = [m["charts/eval_return"] for m in run.metrics if not np.isnan(m["charts/eval_return"])]
+    assert gates == [10.0] * 4
     assert trainer.buffer.masks is not None and not bool(trainer.buffer.masks.all())  # masks were stored
     agent = ppokit.load(run.run_dir, env=_MaskedDict)
     env = _MaskedDict()
