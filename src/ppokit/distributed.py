@@ -288,6 +288,29 @@ class Dist:
             with open(self.checksums, "a") as f:
                 f.write(f"{update_idx} {line}\n")
 
+    # ------------------------------------------------------------------ the language-model trainers
+    def shard(self, items: list[Any], what: str = "batch_prompts") -> list[Any]:
+        """This rank's contiguous share of ``items`` (every rank holds the same list): the prompts it generates
+        for. Whole prompts are split, so a GRPO group (a prompt's completions) never spans two ranks."""
+        if not self.active:
+            return items
+        if len(items) % self.world_size:
+            raise ValueError(f"{what}: {len(items)} does not split evenly over {self.world_size} ranks; use a "
+                             f"multiple of {self.world_size} (every rank must run the same number of minibatches)")
+        k = len(items) // self.world_size
+        return items[self.rank * k:(self.rank + 1) * k]
+
+    def global_std(self, x: Tensor) -> float | None:
+        """Population std of every rank's ``x`` together (what batch-level whitening needs); None in one
+        process, where the caller's own computation stands."""
+        if not self.active:
+            return None
+        x = x.detach().to(torch.float64).reshape(-1)
+        row = torch.tensor([float(x.numel()), float(x.mean()), float(x.var(unbiased=False))], dtype=torch.float64)
+        rows = self._gather_tensor(row).cpu()
+        _, _, var = combine_moments(rows[:, 0], rows[:, 1:2], rows[:, 2:3])
+        return float(var[0]) ** 0.5
+
     # ------------------------------------------------------------------ normalizers
     def merge_moments(self, n: int, mean: Tensor, var: Tensor) -> tuple[int, Tensor, Tensor]:
         """``RunningMeanStd.reduce``: this step's batch moments merged with every rank's (one all-gather)."""

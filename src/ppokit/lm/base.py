@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
+from .. import distributed
 from .. import schema as S
 from ..checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ..monitor import Monitor
@@ -77,8 +78,10 @@ class LMTrainer:
                  run_dir: str | Path | None = None, ref_model: nn.Module | None = None,
                  reward: Any = None, prompts: Any = None):
         self.config = cfg = (config if config is not None else LMConfig()).validate()
+        # Under torchrun: this rank's place in the job (distributed.py); the identity in one process.
+        self.dist = distributed.current(device=cfg.device)
         torch.set_num_threads(cfg.torch_threads)
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(self.dist.device(cfg.device))
         self.storage = torch.device("cpu") if cfg.offload_rollout else self.device
         self.tokenizer = tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -88,6 +91,7 @@ class LMTrainer:
         self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad)
         self.policy = model.to(self.device)
         disable_dropout(self.policy)
+        self.dist.prepare(self.policy, None, [])  # every rank starts from rank 0's weights (pi_ref included)
         if cfg.gradient_checkpointing:
             # transformers 5 renamed it (the old name warns that it goes in v6).
             enable = (getattr(self.policy, "activation_checkpointing_enable", None)
@@ -104,7 +108,7 @@ class LMTrainer:
         # Counters and random streams (all checkpointed).
         self.iteration = 0
         self.completions = 0
-        self._sample_state = torch.Generator().manual_seed(cfg.seed).get_state()
+        self._sample_state = torch.Generator().manual_seed(self.dist.seed(cfg.seed)).get_state()
         self._cuda_sample_state: Tensor | None = None
         self._shuffle = torch.Generator(device=self.storage).manual_seed(cfg.seed + 1)
         # Output.
@@ -254,7 +258,7 @@ class LMTrainer:
         return metrics
 
     def _open_logger(self, planned_iterations: int) -> None:
-        if self.run_dir is None or self.logger is not None:
+        if self.run_dir is None or self.logger is not None or not self.dist.is_main:  # rank 0 alone logs
             return
         from ..logger import MetricsLogger
 
@@ -284,6 +288,8 @@ class LMTrainer:
         """``save_pretrained`` of the policy (and its tokenizer) into ``directory/policy`` and a resumable
         checkpoint ``directory/trainer_state.pt`` (trainable weights, optimizer, RNG states, counters)."""
         directory = Path(directory)
+        if not self.dist.is_main:  # data-parallel: the ranks hold the same weights; rank 0 alone writes
+            return directory
         directory.mkdir(parents=True, exist_ok=True)
         if hasattr(self.policy, "save_pretrained"):
             self.policy.save_pretrained(directory / "policy")

@@ -37,13 +37,14 @@ from .step import TokenStep
 __all__ = ["GRPOTrainer", "group_advantages"]
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
-                     ) -> tuple[Tensor, Tensor]:
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+                     batch_std: float | None = None) -> tuple[Tensor, Tensor]:
     """``[B]`` rewards in consecutive groups of ``group_size`` -> ``([B] advantages, [B // G] zero-std flags)``.
 
     ``group``: ``(r - mean_g) / (std_g + eps)``; ``batch``: ``(r - mean_g) / (std_batch + eps)``; ``none``:
     ``r - mean_g``. Stds are population stds. A group whose spread is within rounding error of its mean (every
     constant group; ``advantages.normalize``'s rule) gets exactly 0, not the rounding noise of ``r - mean``.
+    ``batch_std`` replaces the batch's std (data-parallel: the std over every rank's rewards).
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"group_advantages: {tuple(rewards.shape)} rewards do not split into groups of {group_size}")
@@ -54,7 +55,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     if scale == "group":
         adv = centred / (std_g + eps)
     elif scale == "batch":
-        adv = centred / (rewards.float().std(unbiased=False) + eps)
+        adv = centred / ((rewards.float().std(unbiased=False) if batch_std is None else batch_std) + eps)
     elif scale == "none":
         adv = centred
     else:
@@ -106,12 +107,14 @@ class GRPOTrainer(LMTrainer):
         cfg = self.config
         started = time.perf_counter()
         # 1. Rollout: G completions per prompt, consecutive rows.
-        prompts = [p for p in self.prompts.take(cfg.batch_prompts) for _ in range(cfg.group_size)]
+        # Data-parallel: every rank draws the same prompts and generates for its share (whole groups).
+        prompts = [p for p in self.dist.shard(self.prompts.take(cfg.batch_prompts)) for _ in range(cfg.group_size)]
         s = self._sample(prompts, with_ref=self.has_reference, storage=self.storage)
         b = s.batch
         t_rollout = time.perf_counter() - started
         # 2. Group-relative advantages, the same on every token of a completion.
-        adv, zero_std = group_advantages(b.scores.cpu(), cfg.group_size, cfg.scale_rewards, cfg.adv_eps)
+        batch_std = self.dist.global_std(b.scores) if cfg.scale_rewards == "batch" else None
+        adv, zero_std = group_advantages(b.scores.cpu(), cfg.group_size, cfg.scale_rewards, cfg.adv_eps, batch_std)
         b.advantages = adv.to(b.logp_old.device)[:, None].expand_as(b.logp_old).contiguous()
         mask = b.response_mask
         kl_seq = (float("nan") if b.logp_ref is None
@@ -123,11 +126,11 @@ class GRPOTrainer(LMTrainer):
                                   vf_coef=0.0, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
         step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm)
         with self._training_mode():
-            update = ppo_epochs(b, settings, step, generator=self._shuffle)
+            update = ppo_epochs(b, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
         extra = step.extra_means()
         t_update = time.perf_counter() - t0
         self.iteration += 1
-        self.completions += len(b)
+        self.completions += len(b) * self.dist.world_size
         metrics = {
             S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
             S.LM_REWARD_MEAN: float(s.raw_scores.mean()),
