@@ -182,7 +182,9 @@ def test_one_seed_gives_identical_metrics(cls, base):
     runs = []
     for _ in range(2):
         t = cls(copy.deepcopy(base[0]), base[1], reward=reward, prompts=PROMPTS, config=LMConfig(**FAST, seed=5))
-        t.evaluate(["X:"], 2)  # evaluation draws from its own stream: training's numbers do not move
+        if not runs:  # evaluation draws from its own stream: training's numbers do not move
+            assert t.evaluate(["X:"], 2) == t.evaluate(["X:"], 2)
+            t.generate(["A:"])
         runs.append(t.train(2))
     assert _same(runs[0], runs[1])
     other = cls(copy.deepcopy(base[0]), base[1], reward=reward, prompts=PROMPTS, config=LMConfig(**FAST, seed=6))
@@ -281,3 +283,58 @@ def test_every_lm_metric_name_is_logged_by_some_trainer(base):
                              config=LMConfig(batch_prompts=1)).step())
     assert set(S.LM_METRICS) <= logged
     assert {n for n in logged if not n.startswith("perf/")} <= set(S.METRICS)
+
+
+class Scripted:
+    """A ``Generator`` backend returning fixed responses: the learner works with any backend."""
+
+    def __init__(self, responses):
+        self.responses = responses
+
+    def generate(self, model, prompt_ids, prompt_mask, settings):
+        return torch.tensor(self.responses, dtype=torch.long).reshape(prompt_ids.shape[0], -1)
+
+
+@pytest.mark.parametrize("cls", [PPOTrainer, GRPOTrainer])
+def test_a_scripted_backend_with_an_immediate_eos_or_an_empty_response_trains(cls, model, tok):
+    eos, x = tok.eos_token_id, tok.convert_tokens_to_ids("X")
+    cfg = LMConfig(**dict(FAST, batch_prompts=1, group_size=4))
+    t = cls(model, tok, reward=reward, prompts=PROMPTS, config=cfg)
+    t.backend = Scripted([[eos, eos, eos], [x, eos, eos], [x, x, x], [x, x, eos]])
+    m = t.step()
+    assert m[S.EOS_FRAC] == 0.75 and m[S.RESPONSE_LENGTH] == (1 + 2 + 3 + 3) / 4
+    assert all(v == v for k, v in m.items() if k in (S.POLICY_LOSS, S.APPROX_KL, S.GRAD_NORM))
+    t.backend = Scripted([[]] * 4)  # no response token at all
+    m = t.step()
+    assert m[S.RESPONSE_LENGTH] == 0 and m[S.SKIPPED_MINIBATCHES] == 0 and m[S.POLICY_LOSS] == 0
+
+
+def test_kl_early_stopping_and_the_non_finite_skip_are_the_epoch_loops(model, tok):
+    t = GRPOTrainer(model, tok, reward=reward, prompts=PROMPTS,
+                    config=LMConfig(**dict(FAST, learning_rate=3e-2, update_epochs=4), target_kl=1e-6))
+    m = t.step()
+    assert m[S.EARLY_STOPPED] == 1.0 and m[S.EPOCHS_RUN] < 4
+    before = [p.clone() for p in t.trainable_parameters()]
+    loss_fn = t._loss
+
+    def nan_loss(mb):
+        loss, stats = loss_fn(mb)
+        return loss * float("nan"), stats
+
+    t._loss = nan_loss
+    m = t.step()
+    assert m[S.SKIPPED_MINIBATCHES] == FAST["num_minibatches"] * 4 and m[S.MINIBATCHES] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, t.trainable_parameters()))
+
+
+def test_the_adaptive_kl_controller_moves_kl_coef(model, tok):
+    from ppokit.lm.ppo import adaptive_kl_coef
+
+    t = PPOTrainer(model, tok, reward=reward, prompts=PROMPTS,
+                   config=LMConfig(**FAST, adaptive_kl=True, kl_target=1e-3, kl_horizon=100))
+    history = t.train(3)
+    n = FAST["batch_prompts"] * FAST["group_size"]
+    assert history[0][S.KL_COEF] == 0.05 and history[0][S.KL_REF] == 0.0  # pi == pi_ref at the start
+    assert history[1][S.KL_COEF] == pytest.approx(0.05 * (1 - 0.2 * n / 100))  # below target: lowered by 20% x n/H
+    for a, b in zip(history, history[1:]):
+        assert b[S.KL_COEF] == pytest.approx(adaptive_kl_coef(a[S.KL_COEF], a[S.KL_REF], 1e-3, n, 100))

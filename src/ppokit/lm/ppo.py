@@ -87,6 +87,8 @@ def token_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float
                      whiten: bool = True) -> tuple[Tensor, Tensor]:
     """GAE over ``[B, R]`` response tokens with the core's ``gae`` (token axis as its time axis); advantages
     whitened over the real tokens (``normalize`` with the mask); returns are the unwhitened ``A + V``."""
+    if mask.shape[1] == 0:  # no response token in the whole rollout: nothing to estimate
+        return torch.zeros_like(rewards), torch.zeros_like(rewards)
     values = torch.where(mask, values, 0.0)
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
     never = torch.zeros_like(mask)

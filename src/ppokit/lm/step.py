@@ -58,7 +58,9 @@ class TokenStep:
     def backward(self, mb: TokenBatch) -> None:
         self._loss, self._stats = self.loss_fn(mb)
         self.optimizer.zero_grad(set_to_none=False)
-        self._loss.backward()
+        # A minibatch without a single response token has a constant loss (no graph): its gradient is zero.
+        if self._loss.requires_grad:
+            self._loss.backward()
 
     def gradients(self) -> list[Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
