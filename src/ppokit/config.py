@@ -112,6 +112,10 @@ class PPOConfig:
     log_every: int = _f(10, "print a metrics table every this many updates")
     save_every: int = _f(50, "write a checkpoint every this many updates (and at the end)")
     tensorboard: bool = _f(True, "write TensorBoard event files")
+    track: bool = _f(False, "log the metrics to Weights & Biases (needs pip install 'ppokit[wandb]'; "
+                     "WANDB_MODE=offline writes the W&B run into RUN_DIR/wandb without a network)")
+    wandb_project: str = _f("ppokit", "Weights & Biases project of --track")
+    wandb_entity: str | None = _f(None, "Weights & Biases entity (user or team) of --track (none: your default)")
     # --- evaluation gate (optional early stop once solved) ---
     eval_every: int = _f(0, "every this many updates, evaluate the deterministic policy on a separate env and stop "
                             "once its mean return reaches eval_threshold (0: never evaluate)")
@@ -199,6 +203,7 @@ class PPOConfig:
         need(len(self.hidden_sizes) >= 1 and all(isinstance(h, int) and 1 <= h <= 1 << 20 for h in self.hidden_sizes),
              "hidden_sizes", f"must be a non-empty list of integers in [1, {1 << 20}], got {self.hidden_sizes!r}")
         need(self.env_id != "", "env_id", "must be a non-empty environment id")
+        need(self.wandb_project.strip() != "", "wandb_project", "must be a non-empty Weights & Biases project name")
         from .resources import check_device, check_memory, check_run_dir
 
         check_device(self.device)

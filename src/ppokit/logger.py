@@ -426,9 +426,12 @@ class MetricsLogger:
         console_obj: Console | None = None,
         hparams: dict[str, Any] | None = None,
         resume_step: int | None = None,
+        sinks: Iterable[Any] = (),
     ):
         """``hparams``: the config, written to TensorBoard once (pass it for a fresh run, not for a resume).
-        ``resume_step``: the checkpoint's step when resuming; TensorBoard hides what was logged after it."""
+        ``resume_step``: the checkpoint's step when resuming; TensorBoard hides what was logged after it.
+        ``sinks``: more sinks (``write(step, metrics)``, ``close()``, optionally ``alert(step, level, name)``),
+        e.g. ``wandb_sink.WandbSink``; they are closed with the logger."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.alerts_path = self.run_dir / "alerts.jsonl"
@@ -437,6 +440,7 @@ class MetricsLogger:
         self._closed = False
         self.csv = CSVSink(self.run_dir / "metrics.csv")
         self.tb: TensorBoardSink | None = None
+        self.sinks = list(sinks)
         try:
             if tensorboard:
                 self.tb = TensorBoardSink(self.run_dir / "tb",
@@ -448,6 +452,8 @@ class MetricsLogger:
             self.csv.close()
             if self.tb is not None:
                 self.tb.close()
+            for sink in self.sinks:
+                sink.close()
             raise
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -455,6 +461,8 @@ class MetricsLogger:
         self.csv.write(step, metrics)
         if self.tb is not None:
             self.tb.write(step, metrics)
+        for sink in self.sinks:
+            sink.write(step, metrics)
         self.console.write(step, metrics)
 
     def alert(self, step: int, level: str, name: str, message: str, data: Any = None) -> dict[str, Any]:
@@ -476,6 +484,9 @@ class MetricsLogger:
             if record["data"] is not None:
                 text += f"\n\n```\n{json.dumps(record['data'], indent=2)}\n```"
             self.tb.text(step, f"alerts/{name}", text)
+        for sink in self.sinks:
+            if hasattr(sink, "alert"):
+                sink.alert(step, record["level"], record["name"])
         self.console.alert(step, level, name, message)
         return record
 
@@ -520,8 +531,12 @@ class MetricsLogger:
             try:
                 self.csv.close()
             finally:
-                if self.tb is not None:
-                    self.tb.close()
+                try:
+                    if self.tb is not None:
+                        self.tb.close()
+                finally:
+                    for sink in self.sinks:
+                        sink.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -102,6 +102,10 @@ class Trainer:
         # env: None (config.env_id), a registered id, a zero-arg factory or a gymnasium.Env (see train()).
         config, self.custom_env = resolve_env(env, config)
         self.config = cfg = config.validate()
+        if cfg.track:
+            from .wandb_sink import require_wandb
+
+            require_wandb()  # one line naming the extra, before anything is built
         # Under torchrun: this rank's place in the job (rank 0 alone writes the run dir); else the identity.
         self.dist = distributed.current(cfg.dist_timeout, cfg.device)
         # Per process, so per rank: torchrun sets OMP_NUM_THREADS only when it starts several ranks per node.
@@ -197,7 +201,8 @@ class Trainer:
                                         tensorboard=cfg.tensorboard and self.dist.is_main, console=console_enabled,
                                         console_obj=console,
                                         hparams=cfg.to_dict() if resume_state is None else None,
-                                        resume_step=self.global_step if resume_state is not None else None)
+                                        resume_step=self.global_step if resume_state is not None else None,
+                                        sinks=self._tracking_sinks())
         except BaseException:
             self._claim.release()
             self.envs.close()
@@ -303,6 +308,15 @@ class Trainer:
         self._finish(wall, start_step)
         return Run(self.run_dir, cfg, self.metrics, self.policy, self.global_step,
                    list(self.logger.alerts), self._stop_requested, self._callback_stop)
+
+    def _tracking_sinks(self) -> list:
+        """The metric sinks beyond CSV/TensorBoard/console: W&B under ``track`` (rank 0 only)."""
+        cfg = self.config
+        if not (cfg.track and self.dist.is_main):
+            return []
+        from .wandb_sink import WandbSink
+
+        return [WandbSink(self.run_dir, cfg.to_dict(), cfg.wandb_project, cfg.wandb_entity)]
 
     def _run_update_callbacks(self, metrics: dict[str, float]) -> None:
         """Every callback's ``on_update``; one returning False ends the run after this update (callbacks.py)."""
