@@ -224,6 +224,13 @@ def test_dpo_raises_the_preference_accuracy_and_resumes_identically(base, tmp_pa
 
 
 # ---------------------------------------------------------------- options
+def test_grpo_refuses_groups_of_one(model, tok):
+    from ppokit.lm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="group_size"):
+        GRPOTrainer(model, tok, reward=reward, prompts=PROMPTS, config=LMConfig(**dict(FAST, group_size=1)))
+
+
 def test_grpo_with_beta_zero_loads_no_reference_and_logs_zero_std_groups(model, tok):
     t = GRPOTrainer(model, tok, reward=lambda p, c: [1.0] * len(c), prompts=PROMPTS,
                     config=LMConfig(**FAST, beta=0.0))

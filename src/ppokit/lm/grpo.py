@@ -29,7 +29,7 @@ from ..epochs import UpdateSettings, ppo_epochs
 from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate
 from ..reductions import reduce
 from .base import LMTrainer
-from .config import LMConfig
+from .config import ConfigError, LMConfig
 from .logprobs import kl_per_token, token_logprobs
 from .rollout import TokenBatch
 from .step import TokenStep
@@ -72,6 +72,9 @@ class GRPOTrainer(LMTrainer):
                  ref_model: nn.Module | None = None):
         # beta = 0: no KL term, so no reference is built (no copy of the model in memory).
         config = (config if config is not None else LMConfig()).validate()
+        if config.group_size < 2:
+            raise ConfigError("group_size", f"GRPO needs at least 2 completions per prompt (the group is the "
+                              f"baseline; one completion always has advantage 0), got {config.group_size}")
         self.uses_reference = config.beta > 0
         super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
         cfg = self.config

@@ -29,9 +29,6 @@ from .logprobs import response_mask, token_logprobs
 
 __all__ = ["TokenBatch", "encode_prompts", "sample", "last_token_index", "place_scores"]
 
-_CPU_ANCHOR = torch.zeros(0)
-
-
 @dataclass
 class TokenBatch:
     """A rollout of ``B`` completions; ``P`` prompt columns, ``R`` response columns."""
@@ -51,9 +48,9 @@ class TokenBatch:
 
     @property
     def obs(self) -> Tensor:
-        """For ``ppo_epochs``: its shuffle runs on the CPU (a CPU generator) whatever device the rows are on;
-        indexing a device tensor with CPU indices is fine."""
-        return _CPU_ANCHOR
+        """A tensor on the rows' device, for ``ppo_epochs``, which draws its shuffle there (the trainers' shuffle
+        generator lives on the same device)."""
+        return self.logp_old
 
     @property
     def n_response(self) -> int:
