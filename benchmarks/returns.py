@@ -84,17 +84,9 @@ TASKS: dict[str, Task] = {
 
 
 # ---------------------------------------------------------------------------------------------------- one run
-def run_one(job: dict) -> dict:
-    """Train one seed of one task and evaluate it (runs in a worker process)."""
-    if job["nice"]:
-        os.nice(job["nice"])
-    import numpy as np
-    import torch
-
-    torch.set_num_threads(1)
-    import ppokit
+def task_config(job: dict):
+    """The validated ``PPOConfig`` of one run: the task's preset, env and budget, the job's seed and overrides."""
     from ppokit.config import load_preset
-    from ppokit import schema as S
 
     task = TASKS[job["task"]]
     config = load_preset(task.preset)
@@ -104,6 +96,21 @@ def run_one(job: dict) -> dict:
     config.save_every = 10**9  # one checkpoint at the end (or at the time limit)
     for key, value in job["overrides"].items():
         setattr(config, key, value)
+    return config.validate()
+
+
+def run_one(job: dict) -> dict:
+    """Train one seed of one task and evaluate it (runs in a worker process)."""
+    if job["nice"]:
+        os.nice(job["nice"])
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    import ppokit
+    from ppokit import schema as S
+
+    config = task_config(job)
     timer = None
     if job["time_limit"]:
         # Stops the run as Ctrl-C does: the update in flight finishes, the checkpoint is written, run() returns.
@@ -217,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     from ppokit.config import ConfigError, PPOConfig
 
     try:
-        pairs = dict(s.split("=", 1) for s in args.set)  # ValueError for a FIELD without =VALUE
+        bad = [s for s in args.set if "=" not in s]
+        if bad:
+            raise ValueError(f"expected FIELD=VALUE, got {bad[0]!r}")
+        pairs = dict(s.split("=", 1) for s in args.set)
         parsed = PPOConfig.from_dict(pairs)  # the CLI's parsing and its named errors
         overrides = {k.replace("-", "_"): getattr(parsed, k.replace("-", "_")) for k in pairs}
     except (ConfigError, ValueError) as exc:
@@ -230,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append({"task": name, "seed": seed, "budget": args.budget or task.budget, "nice": args.nice,
                          "time_limit": args.time_limit, "device": args.device, "overrides": overrides,
                          "eval_episodes": args.eval_episodes or task.eval_episodes})
+    try:  # every run's config is refused here, with the field, rather than in a worker
+        for job in jobs:
+            task_config(job)
+    except ConfigError as exc:
+        print(f"returns.py: {exc}", file=sys.stderr)
+        return 2
     import multiprocessing as mp
 
     done: dict[str, list[dict]] = {name: [] for name in args.tasks}
