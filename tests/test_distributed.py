@@ -313,18 +313,20 @@ import hashlib, json, os, sys
 import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
-from ppokit.lm import GRPOTrainer, LMConfig
+from ppokit.lm import GRPOTrainer, LMConfig, PPOTrainer
 from ppokit.lm.tiny import build_tiny
 # Each rank builds its model from a different seed: the start-up broadcast must make them one.
 model, tok = build_tiny("ABX:", pad_is_eos=True, seed=int(os.environ["RANK"]))
 reward = lambda prompts, completions: [c.count("X") / max(len(c), 4) for c in completions]
 cfg = LMConfig(learning_rate=3e-3, batch_prompts=4, group_size=4, max_new_tokens=6, update_epochs=2,
-               num_minibatches=2, scale_rewards="batch", tensorboard=False, console=False)
-t = GRPOTrainer(model, tok, reward=reward, prompts=["X:", "AB:", "BXAX:", "A:"], config=cfg, run_dir=sys.argv[1])
+               num_minibatches=2, scale_rewards="batch", adaptive_kl=True, tensorboard=False, console=False)
+Trainer = {"grpo": GRPOTrainer, "ppo": PPOTrainer}[sys.argv[3]]
+t = Trainer(model, tok, reward=reward, prompts=["X:", "AB:", "BXAX:", "A:"], config=cfg, run_dir=sys.argv[1])
 rows = []
 for _ in range(3):
     t.step()
-    h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    models = [model] + ([t.value_model] if sys.argv[3] == "ppo" else [])
+    h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for m in models for p in m.parameters())).hexdigest()
     row = [None] * dist.get_world_size()
     dist.all_gather_object(row, (h, t.history[-1]["charts/score_mean"]))
     rows.append(row)
@@ -335,16 +337,18 @@ if dist.get_rank() == 0:
 
 
 @pytest.mark.slow
-def test_two_rank_grpo_keeps_the_ranks_identical_after_every_update(tmp_path):
-    """GRPO on the tiny GPT-2 across 2 ranks: each generates for its 2 of the 4 prompts (whole groups), the batch
-    std is taken over both ranks' rewards, gradients are averaged in the epoch loop's sync hook."""
+@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+def test_two_rank_lm_trainers_keep_the_ranks_identical_after_every_update(kind, tmp_path):
+    """GRPO and PPO-RLHF on the tiny GPT-2 across 2 ranks: each generates for its 2 of the 4 prompts (whole
+    groups), GRPO's batch std and PPO's advantage whitening and KL for the adaptive coefficient are taken over
+    both ranks, gradients (PPO: of the value model too) are averaged in the epoch loop's sync hook."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import json
 
     script = tmp_path / "grpo_dp.py"
     script.write_text(GRPO_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path / "run"), str(tmp_path / "rows.json")]
+           str(tmp_path / "run"), str(tmp_path / "rows.json"), kind]
     proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
     _ok(proc)
     rows = json.loads((tmp_path / "rows.json").read_text())
@@ -360,3 +364,20 @@ def test_shard_splits_whole_items_and_refuses_an_uneven_split():
     assert distributed.LOCAL.shard(["a", "b", "c"]) == ["a", "b", "c"]
     with pytest.raises(ValueError, match="batch_prompts: 3 does not split evenly over 2 ranks"):
         Dist(rank=0, world_size=2).shard(["a", "b", "c"])
+
+
+def test_whitening_over_the_ranks_equals_normalize_over_the_whole_batch(monkeypatch):
+    """Rank 0's half of ``Dist.whiten`` (the peer's moments in place of the all-gather) is the first half of
+    ``advantages.normalize`` over both halves with the mask."""
+    from ppokit.advantages import normalize
+
+    torch.manual_seed(2)
+    x = torch.randn(6, 5) * 3 + 1
+    mask = torch.rand(6, 5) > 0.3
+    peer = x[3:][mask[3:]].double()
+    peer_row = torch.tensor([float(peer.numel()), float(peer.mean()), float(peer.var(unbiased=False))],
+                            dtype=torch.float64)
+    dist = Dist(rank=0, world_size=2)
+    monkeypatch.setattr(dist, "_gather_tensor", lambda row: torch.stack([row, peer_row]))
+    torch.testing.assert_close(dist.whiten(x[:3], mask[:3]), normalize(x, mask=mask)[:3], rtol=0, atol=1e-6)
+    assert torch.equal(distributed.LOCAL.whiten(x, mask), normalize(x, mask=mask))

@@ -311,6 +311,24 @@ class Dist:
         _, _, var = combine_moments(rows[:, 0], rows[:, 1:2], rows[:, 2:3])
         return float(var[0]) ** 0.5
 
+    def whiten(self, x: Tensor, mask: Tensor) -> Tensor:
+        """``advantages.normalize(x, mask=mask)`` with the mean and std of the counted entries of every rank
+        (PPO-RLHF's masked whitening); in one process exactly that call."""
+        from .advantages import SPREAD_ULPS, normalize
+
+        if not self.active:
+            return normalize(x, mask=mask)
+        keep = mask if mask.dtype == torch.bool else mask != 0
+        vals = x[keep].detach().to(torch.float64)
+        n = vals.numel()
+        row = torch.tensor([float(n), float(vals.mean()) if n else 0.0, float(vals.var(unbiased=False)) if n else 0.0],
+                           dtype=torch.float64)
+        rows = self._gather_tensor(row).cpu()
+        _, mean, var = combine_moments(rows[:, 0], rows[:, 1:2], rows[:, 2:3])
+        mean, std = float(mean[0]), float(var[0]) ** 0.5
+        noise = std <= SPREAD_ULPS * torch.finfo(x.dtype).eps * abs(mean)  # normalize's constant rule
+        return torch.where(keep & (not noise), (x - mean) / (std + 1e-8), 0.0).to(x.dtype)
+
     # ------------------------------------------------------------------ normalizers
     def merge_moments(self, n: int, mean: Tensor, var: Tensor) -> tuple[int, Tensor, Tensor]:
         """``RunningMeanStd.reduce``: this step's batch moments merged with every rank's (one all-gather)."""

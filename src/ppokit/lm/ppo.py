@@ -120,6 +120,7 @@ class PPOTrainer(LMTrainer):
 
         disable_dropout(self.value_model)
         self.value_model.eval()
+        self.dist.prepare(self.value_model, None, [])  # data-parallel: rank 0's value head everywhere
         self.kl_coef = float(cfg.kl_coef)
         params = [{"params": self.trainable_parameters()},
                   {"params": [p for p in self.value_model.parameters() if p.requires_grad]}]
@@ -139,6 +140,8 @@ class PPOTrainer(LMTrainer):
 
     def save(self, directory):
         directory = super().save(directory)
+        if not self.dist.is_main:  # rank 0 alone writes
+            return directory
         from safetensors.torch import save_file
 
         head = {k: v.detach().cpu().contiguous() for k, v in self.value_model.state_dict().items()
@@ -177,7 +180,8 @@ class PPOTrainer(LMTrainer):
         cfg = self.config
         started = time.perf_counter()
         # 1. Rollout.
-        prompts = [p for p in self.prompts.take(cfg.batch_prompts) for _ in range(cfg.group_size)]
+        # Data-parallel: every rank draws the same prompts and generates for its share.
+        prompts = [p for p in self.dist.shard(self.prompts.take(cfg.batch_prompts)) for _ in range(cfg.group_size)]
         s = self._sample(prompts, with_ref=True, value_fn=self._values, storage=self.storage)
         b = s.batch
         t_rollout = time.perf_counter() - started
@@ -188,10 +192,11 @@ class PPOTrainer(LMTrainer):
         advantages, b.returns = token_advantages(rewards, b.values, b.response_mask, cfg.gamma, cfg.gae_lambda,
                                                  whiten=False)
         adv_std = masked_stats(advantages, b.response_mask)[1]
-        b.advantages = normalize(advantages, mask=b.response_mask) if cfg.whiten_advantages else advantages
+        # Whitened over every rank's real tokens (in one process: normalize(advantages, mask=...)).
+        b.advantages = self.dist.whiten(advantages, b.response_mask) if cfg.whiten_advantages else advantages
         kl_k1 = (torch.zeros_like(b.logp_old) if b.logp_ref is None
                  else torch.where(b.response_mask, b.logp_old - b.logp_ref, 0.0))
-        kl_seq = float(kl_k1.sum(-1).mean())
+        kl_seq = self.dist.mean(float(kl_k1.sum(-1).mean()))  # over every rank (equal shares): one kl_coef
         # 4. K epochs of minibatches (the shared loop: KL early stop, non-finite skip).
         t0 = time.perf_counter()
         settings = UpdateSettings(algo="ppo", update_epochs=cfg.update_epochs, num_minibatches=cfg.num_minibatches,
@@ -199,14 +204,15 @@ class PPOTrainer(LMTrainer):
                                   vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
         step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm)
         with self._training_mode():
-            update = ppo_epochs(b, settings, step, generator=self._shuffle)
+            update = ppo_epochs(b, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
         t_update = time.perf_counter() - t0
         self.iteration += 1
-        self.completions += len(b)
+        self.completions += len(b) * self.dist.world_size
         kl_coef_used = self.kl_coef
         # 5. Adaptive KL.
         if cfg.adaptive_kl:
-            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl_seq, cfg.kl_target, len(b), cfg.kl_horizon)
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl_seq, cfg.kl_target, len(b) * self.dist.world_size,
+                                            cfg.kl_horizon)
         mask = b.response_mask
         metrics = {
             S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
