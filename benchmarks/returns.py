@@ -194,11 +194,32 @@ def row(record: dict) -> str:
             f"at {ref['budget']:,}")
 
 
+def markdown_table(out: Path) -> str:
+    """The Markdown table of every ``<out>/*.json`` record (RESULTS.md's Returns section)."""
+    lines = ["| task | env | steps per run | seeds | ppokit: deterministic eval, mean +- std over seeds (per seed) | "
+             "published (steps) | difference |", "|---|---|---|---|---|---|---|"]
+    for path in sorted(out.glob("*.json")):
+        r = json.loads(path.read_text())
+        ref = r["reference"]
+        steps = r["steps_reached"]
+        reached = f"{min(steps):,}" if min(steps) == max(steps) else f"{min(steps):,}-{max(steps):,}"
+        if any(run["stopped_at_time_limit"] for run in r["runs"]):
+            reached += f" (time limit; budget {r['budget']:,})"
+        per_seed = ", ".join(f"{run['eval_mean']:.1f}" for run in r["runs"])
+        diff = r["eval_mean"] - ref["mean"]
+        env = r["env_id"] + (" continuous" if r["env_kwargs"] else "")
+        lines.append(f"| {r['task']} | {env} | {reached} | {r['seeds_done']} | **{r['eval_mean']:.1f} +- "
+                     f"{r['eval_std_over_seeds']:.1f}** ({per_seed}) | {ref['mean']:g} +- {ref['std']:g} "
+                     f"({ref['budget']:,}) | {diff:+.1f} ({100 * diff / abs(ref['mean']):+.0f}%) |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("tasks", nargs="*", help=f"tasks: {', '.join(TASKS)}")
     p.add_argument("--list", action="store_true", help="list the tasks with their presets and references")
+    p.add_argument("--table", action="store_true", help="print the Markdown table of the records in --out")
     p.add_argument("--seeds", type=int, default=None, help="seeds per task (default: the task's)")
     p.add_argument("--first-seed", type=int, default=1)
     p.add_argument("--budget", type=int, default=None, help="env steps per run (default: the task's)")
@@ -212,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a config field for every run (e.g. num_envs=8)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
     args = p.parse_args(argv)
+    if args.table:
+        print(markdown_table(args.out))
+        return 0
     if args.list or not args.tasks:
         for name, t in TASKS.items():
             print(f"{name:<24} {t.env_id:<20} preset {t.preset:<12} {t.budget:>10,} steps x {t.seeds} seeds; "
