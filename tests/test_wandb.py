@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,25 @@ def _records(path: Path):
 
 
 def _history(path: Path) -> list[dict]:
+    """The history rows of a finished offline run (waiting for W&B's service, which writes the file after
+    ``finish()`` returns, to write its exit record)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
+    deadline = time.monotonic() + 30
+    while True:
+        recs = []
+        try:
+            for raw in _records(path):
+                rec = pb.Record()
+                rec.ParseFromString(raw)
+                recs.append(rec)
+        except Exception:  # noqa: BLE001 - a record being written: read again
+            recs = []
+        if any(r.WhichOneof("record_type") == "exit" for r in recs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     rows = []
-    for raw in _records(path):
-        rec = pb.Record()
-        rec.ParseFromString(raw)
+    for rec in recs:
         if rec.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in rec.history.item})
