@@ -313,22 +313,26 @@ import hashlib, json, os, sys
 import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
-from ppokit.lm import GRPOTrainer, LMConfig, PPOTrainer
+from ppokit.lm import DPOTrainer, GRPOTrainer, LMConfig, PPOTrainer
 from ppokit.lm.tiny import build_tiny
 # Each rank builds its model from a different seed: the start-up broadcast must make them one.
 model, tok = build_tiny("ABX:", pad_is_eos=True, seed=int(os.environ["RANK"]))
 reward = lambda prompts, completions: [c.count("X") / max(len(c), 4) for c in completions]
 cfg = LMConfig(learning_rate=3e-3, batch_prompts=4, group_size=4, max_new_tokens=6, update_epochs=2,
                num_minibatches=2, scale_rewards="batch", adaptive_kl=True, tensorboard=False, console=False)
-Trainer = {"grpo": GRPOTrainer, "ppo": PPOTrainer}[sys.argv[3]]
-t = Trainer(model, tok, reward=reward, prompts=["X:", "AB:", "BXAX:", "A:"], config=cfg, run_dir=sys.argv[1])
+if sys.argv[3] == "dpo":
+    pairs = [("X:", "XX", "AB"), ("A:", "XA", "BB"), ("AB:", "XXX", "A"), ("B:", "X", "BA")]
+    t = DPOTrainer(model, tok, pairs=pairs, config=cfg, run_dir=sys.argv[1])
+else:
+    Trainer = {"grpo": GRPOTrainer, "ppo": PPOTrainer}[sys.argv[3]]
+    t = Trainer(model, tok, reward=reward, prompts=["X:", "AB:", "BXAX:", "A:"], config=cfg, run_dir=sys.argv[1])
 rows = []
 for _ in range(3):
     t.step()
     models = [model] + ([t.value_model] if sys.argv[3] == "ppo" else [])
     h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for m in models for p in m.parameters())).hexdigest()
     row = [None] * dist.get_world_size()
-    dist.all_gather_object(row, (h, t.history[-1]["charts/score_mean"]))
+    dist.all_gather_object(row, (h, t.history[-1].get("charts/score_mean")))
     rows.append(row)
 t.close()
 if dist.get_rank() == 0:
@@ -337,11 +341,12 @@ if dist.get_rank() == 0:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+@pytest.mark.parametrize("kind", ["grpo", "ppo", "dpo"])
 def test_two_rank_lm_trainers_keep_the_ranks_identical_after_every_update(kind, tmp_path):
-    """GRPO and PPO-RLHF on the tiny GPT-2 across 2 ranks: each generates for its 2 of the 4 prompts (whole
-    groups), GRPO's batch std and PPO's advantage whitening and KL for the adaptive coefficient are taken over
-    both ranks, gradients (PPO: of the value model too) are averaged in the epoch loop's sync hook."""
+    """GRPO, PPO-RLHF and DPO on the tiny GPT-2 across 2 ranks: each generates for its 2 of the 4 prompts
+    (whole groups) or trains on its 2 of the 4 pairs, GRPO's batch std and PPO's advantage whitening and KL for
+    the adaptive coefficient are taken over both ranks, gradients (PPO: of the value model too) are averaged in
+    the sync hook."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import json
 
@@ -355,7 +360,8 @@ def test_two_rank_lm_trainers_keep_the_ranks_identical_after_every_update(kind, 
     assert len(rows) == 3
     assert all(r[0][0] == r[1][0] for r in rows), rows  # same weights on both ranks
     assert len({r[0][0] for r in rows}) == 3  # that moved every update
-    assert any(r[0][1] != r[1][1] for r in rows)  # from different completions (each rank its own prompts)
+    if kind != "dpo":  # from different completions (each rank its own prompts)
+        assert any(r[0][1] != r[1][1] for r in rows)
     assert len(_metrics(tmp_path / "run")) == 3  # rank 0 alone logged
 
 

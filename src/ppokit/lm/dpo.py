@@ -136,7 +136,8 @@ class DPOTrainer(LMTrainer):
     def step(self) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
-        pairs = self._next_pairs(cfg.batch_prompts)
+        # Data-parallel: every rank draws the same pairs and trains on its share.
+        pairs = self.dist.shard(self._next_pairs(cfg.batch_prompts))
         n = len(pairs)
         ref = self.sequence_logprobs(pairs, reference=True)
         with self._training_mode():
@@ -145,6 +146,8 @@ class DPOTrainer(LMTrainer):
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()
         params = self.trainable_parameters()
+        if self.dist.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
+            self.dist.sync([p.grad for p in params if p.grad is not None], [loss.detach()])
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         loss_v, grad_v = torch.stack([loss.detach(), grad_norm]).tolist()
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
@@ -153,7 +156,7 @@ class DPOTrainer(LMTrainer):
         else:
             self.optimizer.step()
         self.iteration += 1
-        self.completions += 2 * n
+        self.completions += 2 * n * self.dist.world_size
         metrics = {
             S.POLICY_LOSS: loss_v, S.GRAD_NORM: grad_v, S.SKIPPED_MINIBATCHES: float(skipped),
             S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"]),
