@@ -308,3 +308,22 @@ def test_import_ppokit_lm_and_lmconfig_load_no_transformers(tmp_path):
                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- live LM alerts
+def test_live_lm_alerts_fire_on_runaway_kl_and_on_sustained_zero_std_groups():
+    from ppokit import schema as S
+    from ppokit.doctor_lm import KL_REF_RUNAWAY, ZERO_STD_FRAC
+    from ppokit.lm.alerts import LMAlerts
+
+    alerts = LMAlerts("beta", cooldown=10)
+    assert alerts.check(1, {S.KL_REF: KL_REF_RUNAWAY * 0.9}) == []
+    fired = alerts.check(2, {S.KL_REF: KL_REF_RUNAWAY * 1.5})
+    assert [a.name for a in fired] == ["kl_ref_runaway"] and "raise beta" in fired[0].message
+    assert alerts.check(3, {S.KL_REF: KL_REF_RUNAWAY * 2}) == []  # rate-limited
+    patience = int(S.THRESHOLDS["reward_patience"])
+    names = [[a.name for a in alerts.check(10 + i, {S.FRAC_REWARD_ZERO_STD: ZERO_STD_FRAC})] for i in range(patience)]
+    assert names[-1] == ["zero_reward_variance"] and all(n == [] for n in names[:-1])
+    fresh = LMAlerts("kl_coef")  # an interrupted streak starts over
+    for i, frac in enumerate([1.0] * (patience - 1) + [0.0, 1.0]):
+        assert fresh.check(i, {S.FRAC_REWARD_ZERO_STD: frac}) == []

@@ -238,6 +238,9 @@ def test_grpo_with_beta_zero_loads_no_reference_and_logs_zero_std_groups(model, 
     m = t.step()
     # Every group has equal rewards: every advantage is 0, so the policy gets no gradient at all.
     assert m[S.FRAC_REWARD_ZERO_STD] == 1.0 and m[S.POLICY_LOSS] == 0.0 and m[S.GRAD_NORM] == 0.0
+    t.train(int(S.THRESHOLDS["reward_patience"]) - 1)
+    # The live alerts: groups with no reward variance (and, from the core monitor, a policy that does not move).
+    assert {a["name"] for a in t.alerts} == {"zero_reward_variance", "clip_never_fires"}
 
 
 def test_offload_and_gradient_checkpointing_compute_the_same_run(base):

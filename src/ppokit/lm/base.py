@@ -30,6 +30,7 @@ from .. import schema as S
 from ..checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ..monitor import Monitor
 from ..policies import frozen_copy
+from .alerts import LMAlerts
 from .config import LMConfig
 from .generation import HFGenerator, SamplingSettings
 from .logprobs import token_logprobs
@@ -115,6 +116,7 @@ class LMTrainer:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.logger = None
         self.monitor = Monitor(action_kind="discrete", monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
+        self.lm_alerts = LMAlerts("beta" if self.algo == "grpo" else "kl_coef")
         self.alerts: list[dict] = []
         self.history: list[dict[str, float]] = []
         self._resumed_at: int | None = None
@@ -246,7 +248,7 @@ class LMTrainer:
             metrics[S.perf_time(phase)] = seconds
         metrics[S.perf_time("iteration")] = time.perf_counter() - started
         self.history.append(metrics)
-        alerts = self.monitor.check(self.iteration, metrics)
+        alerts = self.monitor.check(self.iteration, metrics) + self.lm_alerts.check(self.iteration, metrics)
         self._open_logger(self.iteration)
         if self.logger is not None:
             self.logger.log(self.completions, metrics)
