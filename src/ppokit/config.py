@@ -116,6 +116,9 @@ class PPOConfig:
                      "WANDB_MODE=offline writes the W&B run into RUN_DIR/wandb without a network)")
     wandb_project: str = _f("ppokit", "Weights & Biases project of --track")
     wandb_entity: str | None = _f(None, "Weights & Biases entity (user or team) of --track (none: your default)")
+    capture_video: bool = _f(False, "record env 0's episodes as mp4 files in RUN_DIR/videos, every video_every-th "
+                             "episode (Gymnasium's RecordVideo; vector_mode sync; needs pip install 'ppokit[video]')")
+    video_every: int = _f(100, "with capture_video: record episodes 0, N, 2N, ... of env 0")
     # --- evaluation gate (optional early stop once solved) ---
     eval_every: int = _f(0, "every this many updates, evaluate the deterministic policy on a separate env and stop "
                             "once its mean return reaches eval_threshold (0: never evaluate)")
@@ -151,7 +154,7 @@ class PPOConfig:
         for f in dataclasses.fields(self):
             _coerce(f.name, getattr(self, f.name), strict=True)
         for name in ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs",
-                     "torch_threads", "log_every", "save_every"):
+                     "torch_threads", "log_every", "save_every", "video_every"):
             value = getattr(self, name)
             need(isinstance(value, int) and 1 <= value <= INT_MAX, name,
                  f"must be a positive integer (at most {INT_MAX}), got {value!r}")
@@ -204,6 +207,9 @@ class PPOConfig:
              "hidden_sizes", f"must be a non-empty list of integers in [1, {1 << 20}], got {self.hidden_sizes!r}")
         need(self.env_id != "", "env_id", "must be a non-empty environment id")
         need(self.wandb_project.strip() != "", "wandb_project", "must be a non-empty Weights & Biases project name")
+        need(not self.capture_video or self.vector_mode == "sync", "capture_video",
+             f"records env 0 of a sync vector env; vector_mode {self.vector_mode!r} runs the envs elsewhere: set "
+             "vector_mode = sync")
         from .resources import check_device, check_memory, check_run_dir
 
         check_device(self.device)

@@ -106,6 +106,10 @@ class Trainer:
             from .wandb_sink import require_wandb
 
             require_wandb()  # one line naming the extra, before anything is built
+        if cfg.capture_video:
+            from .video import require_video
+
+            require_video()
         # Under torchrun: this rank's place in the job (rank 0 alone writes the run dir); else the identity.
         self.dist = distributed.current(cfg.dist_timeout, cfg.device)
         # Per process, so per rank: torchrun sets OMP_NUM_THREADS only when it starts several ranks per node.
@@ -184,6 +188,13 @@ class Trainer:
                     "This run was started with --unsafe; it breaks these guard rails:\n"
                     + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
 
+            if cfg.capture_video and self.dist.is_main:
+                from .video import VIDEO_DIR, record_env0
+
+                # Env 0 records into RUN_DIR/videos (before the first reset, so episode 0 is the first one).
+                record_env0(self.envs, cfg.env_id, cfg.env_kwargs, self.run_dir / VIDEO_DIR, cfg.video_every,
+                            int(resume_state["global_step"]) if resume_state is not None else 0,
+                            custom=self.custom_env is not None)
             env_seed = self.dist.env_seed(cfg.seed, cfg.num_envs)  # cfg.seed in one process
             self.collector.reset(env_seed)
             self.envs.action_space.seed(env_seed)
