@@ -140,3 +140,23 @@ def test_doctor_finds_the_demo_runs_healthy(demo_run):
     for stage in ("ppo", "grpo", "dpo"):
         d = diagnose(out / "runs" / stage)
         assert d.healthy, (stage, d.to_text())
+
+
+# ---------------------------------------------------------------- the TRL benchmark still runs (smoke)
+@pytest.mark.slow  # a subprocess with TRL: ~15 s
+@pytest.mark.parametrize("hide_trl", [False, True])
+def test_bench_vs_trl_smoke(hide_trl):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not hide_trl:
+        pytest.importorskip("trl", reason="needs pip install -e '.[bench-lm]'")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PPOKIT_BENCH_HIDE_TRL="1" if hide_trl else "0")
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_vs_trl.py"), "--smoke", "--sizes", "tiny"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratio = [ln for ln in proc.stdout.splitlines() if ln.startswith("RATIO")]
+    assert ratio and ("ppokit side only" in ratio[0]) == hide_trl, proc.stdout[-2000:]

@@ -1,0 +1,249 @@
+"""ppokit's GRPOTrainer vs TRL's GRPOTrainer on the same saved tiny GPT-2, back to back in one process.
+
+The task is the language-model demo's (``ppokit.lm.demo``): prompt ``X:``, reward count(X) / max(len, 8), malformed
+-1, starting from the same supervised-fine-tuned model directory (SFT on the weak prior, ~0.35 reward). Both
+libraries get the same settings:
+
+- 8 prompts x G = 8 completions per iteration, 16 new tokens, temperature 1, pure sampling (top_k 0, top_p 1);
+- 2 epochs over each rollout in 2 minibatches of 32 completions (TRL: ``steps_per_generation=2``,
+  ``num_iterations=2``, ``per_device_train_batch_size=32``), so 4 optimizer steps per iteration on both sides;
+- AdamW at a constant learning rate (1e-3; TRL's default schedule is linear decay, set to constant), no weight
+  decay, gradient norm clipped at 1, clip range 0.2, group-normalised advantages (std + 1e-4), ``beta = 0.04``
+  times the k3 KL to the reference model (TRL's importance-sampling correction of that KL off, so both use plain
+  k3), token-mean loss (TRL ``loss_type="dapo"``, ppokit ``loss_reduction="token_mean"``);
+- gradient checkpointing off on both (TRL's default is on, which recomputes every forward: slower, not different
+  math), dropout off (the model has none), one torch thread, CPU (TRL: ``use_cpu=True``, ``report_to=[]``; the
+  model is given to TRL as the saved directory, from which it also builds its reference model).
+
+Measured per library: seconds per iteration over ``train`` (construction apart), and the eval reward after the
+iterations (256 samples by the same sampler for both: ``demo.evaluate``). ppokit's own split of an iteration
+(rollout vs update, its ``perf/time_*`` columns) is printed beside it. The order of the two libraries alternates
+between seeds, so neither always runs first on a warmer (or busier) machine.
+
+TRL 1.16 ships no PPO trainer any more (neither ``trl`` nor ``trl.experimental`` has one), so PPO is not compared.
+
+Two model sizes: ``tiny`` (2 layers, 64 wide, ~0.1M parameters; the update and the Python around it dominate) and
+``10m`` (6 layers, 384 wide, ~10.7M parameters; generation dominates).
+
+    pip install -e '.[lm,bench-lm]'
+    python benchmarks/bench_vs_trl.py [--smoke] [--sizes tiny,10m] [--seeds 2] [--iterations 40]
+                                      [--iterations-10m 10]
+
+Defaults take ~3-5 minutes on an idle 2-core machine. Without trl installed the ppokit side runs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+SETTINGS = dict(batch_prompts=8, group_size=8, max_new_tokens=16, update_epochs=2, num_minibatches=2,
+                learning_rate=1e-3, beta=0.04, clip_coef=0.2, max_grad_norm=1.0)
+
+
+def trl_module():
+    """The ``trl`` module, or None when it is not installed (or hidden by ``PPOKIT_BENCH_HIDE_TRL=1``)."""
+    if os.environ.get("PPOKIT_BENCH_HIDE_TRL") == "1":
+        return None
+    try:
+        import trl
+    except ImportError:
+        return None
+    return trl
+
+
+def _quiet() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+
+def sft_model_dir(size: str, sft_steps: int, seed: int, root: Path) -> Path:
+    """Build the model of ``size``, fine-tune it on the demo's SFT data, save it as a model directory."""
+    from ppokit.lm import demo
+    from ppokit.lm.tiny import build_tiny, save_tiny
+
+    model, tok = build_tiny(demo.ALPHABET, size=size, seed=seed)
+    demo.supervised_finetune(model, tok, steps=sft_steps, seed=seed)
+    return save_tiny(model, tok, root / f"sft_{size}_s{seed}")
+
+
+def run_ppokit(model_dir: Path, iterations: int, seed: int, s: dict) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ppokit import schema as S
+    from ppokit.lm import GRPOTrainer, LMConfig, demo
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = LMConfig(seed=seed, temperature=1.0, scale_rewards="group", loss_reduction="token_mean", torch_threads=1,
+                   console=False, tensorboard=False, **s)
+    trainer = GRPOTrainer(model, tok, reward=demo.reward, prompts=[demo.PROMPT] * s["batch_prompts"], config=cfg)
+    t1 = time.perf_counter()
+    history = trainer.train(iterations)
+    t2 = time.perf_counter()
+    ev = demo.evaluate(trainer.policy, tok, seed=12345)
+    split = {p: sum(m.get(S.perf_time(p), 0.0) for m in history) / iterations for p in ("rollout", "update")}
+    return {"build": t1 - t0, "per_iter": (t2 - t1) / iterations, "reward": ev["reward"],
+            "well_formed": ev["well_formed"], "split": split,
+            "train_score_last": history[-1][S.SCORE_MEAN] if history else float("nan")}
+
+
+def run_trl(model_dir: Path, iterations: int, seed: int, s: dict, out: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ppokit.lm import demo
+
+    completions = s["batch_prompts"] * s["group_size"]
+    per_step = completions // s["num_minibatches"]
+    steps_per_iteration = s["num_minibatches"] * s["update_epochs"]
+    t0 = time.perf_counter()
+    args = GRPOConfig(
+        output_dir=str(out), use_cpu=True, report_to=[], seed=seed, disable_tqdm=True, save_strategy="no",
+        logging_steps=steps_per_iteration, bf16=False, fp16=False,
+        per_device_train_batch_size=per_step, steps_per_generation=s["num_minibatches"],
+        num_generations=s["group_size"], num_iterations=s["update_epochs"],
+        max_completion_length=s["max_new_tokens"], temperature=1.0, top_k=0, top_p=1.0,
+        learning_rate=s["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=s["max_grad_norm"], epsilon=s["clip_coef"], beta=s["beta"], scale_rewards="group",
+        loss_type="dapo", use_bias_correction_kl=False, gradient_checkpointing=False, disable_dropout=True,
+        max_steps=iterations * steps_per_iteration,
+    )
+    dataset = Dataset.from_dict({"prompt": [demo.PROMPT] * (s["batch_prompts"] * s["group_size"] * iterations)})
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=demo.reward, args=args, train_dataset=dataset)
+    trainer.remove_callback(PrinterCallback)  # its per-log dict on stdout; the numbers stay in state.log_history
+    t1 = time.perf_counter()
+    trainer.train()
+    t2 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ev = demo.evaluate(trainer.model, tok, seed=12345)  # evaluate() samples in eval mode
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"build": t1 - t0, "per_iter": (t2 - t1) / iterations, "reward": ev["reward"],
+            "well_formed": ev["well_formed"], "train_score_last": rewards[-1] if rewards else float("nan")}
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return "n/a" if v != v else f"{v:.3f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="ppokit vs TRL GRPO on a saved tiny GPT-2 (one thread, CPU)")
+    p.add_argument("--smoke", action="store_true", help="tiny budgets: checks the script runs (numbers mean nothing)")
+    p.add_argument("--sizes", default="tiny,10m", help="model sizes, comma-separated: tiny, 10m (default: both)")
+    p.add_argument("--seeds", type=int, default=2, help="seeds of the tiny model (default: 2; 10m runs one)")
+    p.add_argument("--iterations", type=int, default=40, help="iterations on the tiny model (default: 40)")
+    p.add_argument("--iterations-10m", type=int, default=10, help="iterations on the 10m model (default: 10)")
+    p.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the tiny model (default: 300)")
+    p.add_argument("--sft-steps-10m", type=int, default=100, help="SFT steps of the 10m model (default: 100)")
+    args = p.parse_args(argv)
+    _quiet()
+    from ppokit.lm.tiny import SIZES, build_tiny, count_parameters
+
+    sizes = [x.strip() for x in args.sizes.split(",") if x.strip()]
+    unknown = [x for x in sizes if x not in SIZES]
+    if unknown:
+        print(f"error: --sizes: unknown {unknown}; choose from {sorted(SIZES)}", file=sys.stderr)
+        return 2
+    settings = dict(SETTINGS)
+    if args.smoke:
+        settings.update(batch_prompts=2, group_size=4, max_new_tokens=6)
+        args.iterations, args.iterations_10m, args.sft_steps, args.sft_steps_10m, args.seeds = 2, 1, 5, 2, 1
+    trl = trl_module()
+    import transformers
+
+    print("# ppokit vs TRL: GRPO on a saved tiny GPT-2")
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    print(f"versions: python {sys.version.split()[0]}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, trl {trl.__version__ if trl else 'not installed'}; {os.cpu_count()} CPUs, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"command: python {' '.join(sys.argv)}")
+    try:
+        print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    except OSError:  # pragma: no cover
+        pass
+    print(f"settings: {settings}")
+    sys.stdout.flush()
+
+    rows, ratios = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for size in sizes:
+            seeds = range(1, 1 + (args.seeds if size == "tiny" else 1))
+            iterations = args.iterations if size == "tiny" else args.iterations_10m
+            sft_steps = args.sft_steps if size == "tiny" else args.sft_steps_10m
+            n_params = count_parameters(build_tiny(size=size)[0])
+            for seed in seeds:
+                t0 = time.perf_counter()
+                model_dir = sft_model_dir(size, sft_steps, seed, root)
+                sft_seconds = time.perf_counter() - t0
+                from ppokit.lm import demo
+                from transformers import AutoModelForCausalLM, AutoTokenizer
+
+                start = demo.evaluate(AutoModelForCausalLM.from_pretrained(model_dir),
+                                      AutoTokenizer.from_pretrained(model_dir), seed=12345)["reward"]
+                order = ["ppokit", "trl"] if seed % 2 else ["trl", "ppokit"]
+                res = {}
+                for lib in order:
+                    if lib == "trl" and trl is None:
+                        continue
+                    res[lib] = (run_ppokit(model_dir, iterations, seed, settings) if lib == "ppokit" else
+                                run_trl(model_dir, iterations, seed, settings, root / f"trl_{size}_{seed}"))
+                pk = res["ppokit"]
+                line = [size, f"{n_params / 1e6:.2f}M", seed, iterations, start, pk["per_iter"],
+                        pk["split"]["rollout"], pk["split"]["update"], pk["reward"]]
+                if "trl" in res:
+                    tr = res["trl"]
+                    line += [tr["per_iter"], tr["reward"], tr["per_iter"] / pk["per_iter"]]
+                    ratios.append((size, tr["per_iter"] / pk["per_iter"], pk["reward"], tr["reward"]))
+                else:
+                    line += [float("nan")] * 3
+                rows.append(line)
+                print(f"  {size} seed {seed}: SFT {sft_seconds:.1f} s, order {'/'.join(order)}, load "
+                      f"{os.getloadavg()[0]:.2f}", flush=True)
+    headers = ["model", "params", "seed", "iters", "SFT reward", "ppokit s/iter", "  rollout", "  update",
+               "ppokit reward", "TRL s/iter", "TRL reward", "speed ratio (TRL/ppokit)"]
+    print()
+    print(_table(headers, rows))
+    print()
+    for size in sizes:
+        rs = [r for r in ratios if r[0] == size]
+        if rs:
+            print(f"RATIO {size} speed ppokit vs TRL (TRL s/iter / ppokit s/iter, median): "
+                  f"{statistics.median(r[1] for r in rs):.2f}x; eval reward ppokit "
+                  f"{statistics.mean(r[2] for r in rs):.3f} vs TRL {statistics.mean(r[3] for r in rs):.3f}")
+    if trl is None:
+        print("RATIO n/a: trl is not installed (pip install -e '.[bench-lm]'); ppokit side only")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
