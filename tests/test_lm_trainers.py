@@ -348,3 +348,21 @@ def test_the_adaptive_kl_controller_moves_kl_coef(model, tok):
     assert history[1][S.KL_COEF] == pytest.approx(0.05 * (1 - 0.2 * n / 100))  # below target: lowered by 20% x n/H
     for a, b in zip(history, history[1:]):
         assert b[S.KL_COEF] == pytest.approx(adaptive_kl_coef(a[S.KL_COEF], a[S.KL_REF], 1e-3, n, 100))
+
+
+@pytest.mark.allow_skip
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_cuda_run_trains_and_resumes_where_a_gpu_exists(offload, base, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cfg = LMConfig(**FAST, device="cuda", offload_rollout=offload)
+    for cls in (PPOTrainer, GRPOTrainer):
+        t = cls(copy.deepcopy(base[0]), base[1], reward=reward, prompts=PROMPTS, config=cfg)
+        assert next(t.policy.parameters()).is_cuda
+        t.train(1)
+        t.save(tmp_path / cls.algo)
+        expected = t.train(1)
+        resumed = cls.resume(tmp_path / cls.algo, copy.deepcopy(base[0]), base[1], reward=reward, prompts=PROMPTS)
+        got = resumed.train(1)
+        for k in _core(expected[0]):
+            assert got[0][k] == pytest.approx(expected[0][k], rel=1e-4, abs=1e-6, nan_ok=True), k
