@@ -113,8 +113,8 @@ class Dist:
         return self.rank == 0
 
     def seed(self, seed: int) -> int:
-        """This rank's torch/numpy/python seed."""
-        return seed + self.rank
+        """This rank's torch/numpy/python seed (within numpy's 32-bit range)."""
+        return (seed + self.rank) % 2 ** 32
 
     def env_seed(self, seed: int, num_envs: int) -> int:
         """The seed of this rank's first env (its envs take the next ``num_envs`` seeds)."""
@@ -408,49 +408,58 @@ def _alive(pid: int) -> bool:
 
 LOCAL = Dist()
 _CURRENT: Dist | None = None
+_OWNED = False  # whether ppokit initialized the process group (and so destroys it at exit)
 
 
 def current(timeout_s: float = 60.0, device: str = "cpu") -> Dist:
-    """This process's ``Dist``: ``LOCAL`` unless started as one of several ranks (torchrun sets ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), when the process group is joined once
-    (gloo on CPU, nccl for CUDA) with ``timeout_s`` as every collective's deadline."""
-    global _CURRENT
+    """This process's ``Dist``: ``LOCAL`` unless it is one of several ranks, when the process group is joined
+    once (gloo on CPU, nccl for CUDA) with ``timeout_s`` as every collective's deadline.
+
+    Started by torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` set), ppokit
+    joins the group itself and leaves it at exit; a group the caller initialized is used as it is and left alone.
+    """
+    global _CURRENT, _OWNED
     if _CURRENT is not None:
         return _CURRENT
-    if not launched():
-        return LOCAL
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
+    joined = dist.is_available() and dist.is_initialized()
+    if not (launched() or joined):
+        return LOCAL
+    if not joined:
+        rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         try:
             dist.init_process_group(backend, timeout=timedelta(seconds=float(timeout_s)))
         except Exception as exc:  # noqa: BLE001 - one line, whatever the rendezvous raised
             raise DistributedError(f"distributed: rank {rank} of {world} could not join the process group within "
                                    f"{timeout_s:g} s (dist_timeout): {' '.join(str(exc).split())[:300]}") from exc
-    out: list[Any] = [None] * world
+        _OWNED = True
+        atexit.register(shutdown)
+    if dist.get_world_size() == 1:
+        return LOCAL
+    out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, (socket.gethostname(), os.getpid()))
     checksums = os.environ.get(CHECKSUMS_VAR) or None
-    _CURRENT = Dist(rank=rank, world_size=world, local_rank=local_rank, backend=backend, peers=list(out),
-                    checksums=Path(checksums) if checksums else None,
+    _CURRENT = Dist(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")), backend=str(dist.get_backend()),
+                    peers=list(out), checksums=Path(checksums) if checksums else None,
                     no_sync=os.environ.get(NO_SYNC_VAR, "") not in ("", "0"))
-    atexit.register(shutdown)
     return _CURRENT
 
 
 def shutdown() -> None:
     """Leave the process group cleanly: collect first (a collected wrapper finalizing after the group is gone
     crashed one rank in six at exit in the prototype), then ``destroy_process_group``. Safe to call twice."""
-    global _CURRENT
+    global _CURRENT, _OWNED
     import torch.distributed as dist
 
     _CURRENT = None
     gc.collect()
-    if dist.is_available() and dist.is_initialized():
+    if _OWNED and dist.is_available() and dist.is_initialized():
+        _OWNED = False
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - at exit; the run's files are written
