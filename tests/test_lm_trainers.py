@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import math
 import warnings
 
 import pytest
@@ -54,9 +55,12 @@ def _core(metrics: dict) -> dict:
 
 
 def _same(a: list[dict], b: list[dict]) -> bool:
-    return [_core(m) for m in a] == [_core(m) for m in b] or all(
-        set(x) == set(y) and all((x[k] == y[k]) or (x[k] != x[k] and y[k] != y[k]) for k in x)
-        for x, y in zip(map(_core, a), map(_core, b)))
+    """Equal histories, value for value (bit for bit), NaN equal to NaN (e.g. GRPO's explained variance)."""
+    def equal(x: float, y: float) -> bool:
+        return x == y or (math.isnan(x) and math.isnan(y))
+
+    return len(a) == len(b) and all(set(_core(x)) == set(_core(y)) and all(equal(x[k], y[k]) for k in _core(x))
+                                    for x, y in zip(a, b))
 
 
 # ---------------------------------------------------------------- log-probs and positions
