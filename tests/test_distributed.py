@@ -387,3 +387,11 @@ def test_whitening_over_the_ranks_equals_normalize_over_the_whole_batch(monkeypa
     monkeypatch.setattr(dist, "_gather_tensor", lambda row: torch.stack([row, peer_row]))
     torch.testing.assert_close(dist.whiten(x[:3], mask[:3]), normalize(x, mask=mask)[:3], rtol=0, atol=1e-6)
     assert torch.equal(distributed.LOCAL.whiten(x, mask), normalize(x, mask=mask))
+
+
+def test_a_bad_nproc_is_one_line_and_exit_code_2(capsys):
+    from ppokit.cli import main
+
+    assert main(["train", "--nproc", "0", "--env", "CartPole-v1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc must be a positive number of processes, got 0" in err and "Traceback" not in err
