@@ -105,11 +105,14 @@ def run_ppokit(config, device: str = "cpu") -> dict:
         run = trainer.run()
         t2 = time.perf_counter()
     return {"steps": run.global_step, "wall": t2 - t0, "loop": trainer.bench_loop_end - t1,
-            "rollouts": trainer.bench_rollouts, "fused": trainer.fused}
+            "rollouts": trainer.bench_rollouts, "fused": trainer.fused, "perf": dict(trainer.perf)}
 
 
-def run_sb3(env_id: str, n_envs: int, seed: int, total: int, device: str = "cpu", **ppo_kwargs) -> dict:
-    """Train SB3 PPO on ``n_envs`` copies of ``env_id``; same measurements as ``run_ppokit``."""
+def run_sb3(env_id: str, n_envs: int, seed: int, total: int, device: str = "cpu", normalize: bool = False,
+            **ppo_kwargs) -> dict:
+    """Train SB3 PPO on ``n_envs`` copies of ``env_id``; same measurements as ``run_ppokit``. ``normalize``
+    wraps the envs in SB3's ``VecNormalize`` (observations and rewards, both clipped at 10, the return's
+    discount the PPO gamma): the same normalization as ppokit's ``normalize_obs`` + ``normalize_reward``."""
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
@@ -134,6 +137,11 @@ def run_sb3(env_id: str, n_envs: int, seed: int, total: int, device: str = "cpu"
 
     t0 = time.perf_counter()
     env = make_vec_env(env_id, n_envs=n_envs, seed=seed)
+    if normalize:
+        from stable_baselines3.common.vec_env import VecNormalize
+
+        env = VecNormalize(env, norm_obs=True, norm_reward=True, clip_obs=10.0, clip_reward=10.0,
+                           gamma=ppo_kwargs.get("gamma", 0.99))
     model = PPO("MlpPolicy", env, seed=seed, device=device, verbose=0, **ppo_kwargs)
     cb = Episodes()
     t1 = time.perf_counter()

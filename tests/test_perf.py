@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 import time
@@ -177,6 +178,13 @@ def test_bench_vs_sb3_smoke(hide_sb3):
         assert "| sb3 " in out and "RATIO ppokit/SB3 steps/s, RL-Zoo" in out
     else:
         assert "stable-baselines3 is not installed" in out and "RATIO ppokit/SB3: n/a" in out
+    try:
+        import mujoco  # noqa: F401
+    except ImportError:
+        assert "MuJoCo is not installed" in out
+    else:  # the MuJoCo comparison's smoke run: Hopper-v5, each library in its own process
+        assert re.search(r"\| Hopper-v5\s+\| ppokit\s+\|", out)
+        assert ("RATIO ppokit/SB3 steps/s, Hopper-v5 (mujoco preset" in out) == have
 
 
 @pytest.mark.slow
