@@ -134,7 +134,7 @@ def test_unknown_continuous_env_follows_the_rules():
 def test_image_env_is_planned_with_a_note():
     plan = make_plan(IMAGE_ID, 100_000)
     assert plan.probe.image and plan.probe.obs_shape == (8, 8, 3)
-    assert any("not suited" in n for n in plan.notes)
+    assert any("(8, 8, 3) are too small for the Nature CNN" in n for n in plan.notes)
 
 
 def test_outputs_and_toml_roundtrip(tmp_path, capsys):

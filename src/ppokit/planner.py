@@ -77,6 +77,20 @@ def known_settings(env_id: str) -> tuple[str, dict[str, Any], str | None] | None
     return None
 
 
+def _image_note(shape: tuple[int, ...]) -> str:
+    """What training will do with a 3-D observation (encoders.observation_encoder decides; uint8 assumed)."""
+    from .encoders import CHANNEL_SIZES, MIN_IMAGE_SIZE
+
+    if shape[0] in CHANNEL_SIZES or shape[-1] in CHANNEL_SIZES:
+        h, w = shape[1:] if shape[0] in CHANNEL_SIZES else shape[:2]
+        if min(h, w) < MIN_IMAGE_SIZE:
+            return (f"image observations of shape {shape} are too small for the Nature CNN (>= {MIN_IMAGE_SIZE}x"
+                    f"{MIN_IMAGE_SIZE}): training refuses them; resize them, or flatten them for an MLP with "
+                    "gymnasium.wrappers.FlattenObservation")
+    return ("image observations: a uint8 image is stored as bytes and read by the Nature CNN (pixels scaled by 1/255 "
+            "inside the model); frame stacking and resizing are the env's")
+
+
 def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds: float = 5.0,
               seed: int = 0, env_kwargs: dict[str, Any] | None = None) -> EnvProbe:
     """Spaces and typical episode length from a few random-action episodes, bounded in steps and seconds.
@@ -350,8 +364,7 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
                      "reset, 84x84 grayscale, reward sign, 4 stacked frames) feed the Nature CNN shared by actor and "
                      "critic; evaluation reports whole-game, unclipped scores")
     elif pr.image:
-        notes.append("image observations: ppokit's MLP policy flattens the pixels and is not suited to them (a CNN "
-                     "policy with frame stacking/resizing is the usual choice); planned anyway")
+        notes.append(_image_note(pr.obs_shape))
 
     reasons: dict[str, str] = {}
     base = PPOConfig()
