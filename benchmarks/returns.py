@@ -197,7 +197,8 @@ def row(record: dict) -> str:
 def markdown_table(out: Path) -> str:
     """The Markdown table of every ``<out>/*.json`` record (RESULTS.md's Returns section)."""
     lines = ["| task | env | steps per run | seeds | ppokit: deterministic eval, mean +- std over seeds (per seed) | "
-             "published (steps) | difference |", "|---|---|---|---|---|---|---|"]
+             "training return, last 10 updates | published (steps) | difference (eval) |",
+             "|---|---|---|---|---|---|---|---|"]
     for path in sorted(out.glob("*.json")):
         r = json.loads(path.read_text())
         ref = r["reference"]
@@ -207,9 +208,11 @@ def markdown_table(out: Path) -> str:
             reached += f" (time limit; budget {r['budget']:,})"
         per_seed = ", ".join(f"{run['eval_mean']:.1f}" for run in r["runs"])
         diff = r["eval_mean"] - ref["mean"]
+        trained = [run["final_train_return"] for run in r["runs"] if run["final_train_return"] is not None]
+        train = f"{sum(trained) / len(trained):.1f}" if trained else "-"
         env = r["env_id"] + (" continuous" if r["env_kwargs"] else "")
         lines.append(f"| {r['task']} | {env} | {reached} | {r['seeds_done']} | **{r['eval_mean']:.1f} +- "
-                     f"{r['eval_std_over_seeds']:.1f}** ({per_seed}) | {ref['mean']:g} +- {ref['std']:g} "
+                     f"{r['eval_std_over_seeds']:.1f}** ({per_seed}) | {train} | {ref['mean']:g} +- {ref['std']:g} "
                      f"({ref['budget']:,}) | {diff:+.1f} ({100 * diff / abs(ref['mean']):+.0f}%) |")
     return "\n".join(lines)
 
