@@ -128,9 +128,9 @@ def run_one(job: dict) -> dict:
         result = ppokit.evaluate(agent, episodes=job["eval_episodes"], seed=10_000 + 1000 * job["seed"])
     curve = [(int(m[S.UPDATE]) * config.batch_size, float(m[S.EPISODIC_RETURN])) for m in run.metrics
              if not math.isnan(m[S.EPISODIC_RETURN])]
+    last = [r for _, r in curve[-10:]]  # the last 10 updates, before the curve is thinned
     stride = max(1, math.ceil(len(curve) / CURVE_POINTS))
     curve = curve[::stride] + ([curve[-1]] if curve and (len(curve) - 1) % stride else [])
-    last = [r for _, r in curve[-10:]]
     return {"task": job["task"], "seed": job["seed"], "steps": int(run.global_step), "budget": job["budget"],
             "stopped_at_time_limit": bool(run.interrupted), "wall_s": round(wall, 1),
             "sps": round(run.global_step / max(wall, 1e-9)), "eval_mean": result["mean"],
