@@ -167,7 +167,7 @@ class LMTrainer:
                 torch.set_rng_state(self._sample_state)
                 if cuda:
                     if self._cuda_sample_state is None:
-                        torch.cuda.manual_seed(self.config.seed)
+                        torch.cuda.manual_seed(self.dist.seed(self.config.seed))
                     else:
                         torch.cuda.set_rng_state(self._cuda_sample_state, self.device)
             else:
