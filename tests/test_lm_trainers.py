@@ -370,3 +370,14 @@ def test_a_cuda_run_trains_and_resumes_where_a_gpu_exists(offload, base, tmp_pat
         got = resumed.train(1)
         for k in _core(expected[0]):
             assert got[0][k] == pytest.approx(expected[0][k], rel=1e-4, abs=1e-6, nan_ok=True), k
+
+
+def test_the_default_value_model_is_a_separate_trunk_copy_with_a_zero_head(model, tok):
+    t = PPOTrainer(model, tok, reward=reward, prompts=PROMPTS, config=LMConfig(**FAST))
+    trunk = t.value_model.trunk
+    assert type(trunk) is type(model.base_model) and trunk is not model.base_model
+    assert not any(a.data_ptr() == b.data_ptr() for a in trunk.parameters() for b in model.parameters())
+    s = t._sample(PROMPTS, with_ref=True, value_fn=t._values)
+    assert torch.equal(s.batch.values, torch.zeros_like(s.batch.values))  # zero head: V = 0 everywhere at first
+    t.train(1)
+    assert t.value_model.head.weight.abs().sum() > 0  # the critic learns
