@@ -15,7 +15,9 @@ libraries get the same settings:
   math), dropout off (the model has none), one torch thread, CPU (TRL: ``use_cpu=True``, ``report_to=[]``; the
   model is given to TRL as the saved directory, from which it also builds its reference model).
 
-Measured per library: seconds per iteration over ``train`` (construction apart), and the eval reward after the
+Measured per library: seconds per iteration over ``train`` (construction apart), as wall time and as the
+process's CPU time (one thread: on a shared, loaded machine the CPU time is the steadier number, since a busy
+neighbour stretches the wall time of whichever library happens to run then), and the eval reward after the
 iterations (256 samples by the same sampler for both: ``demo.evaluate``). ppokit's own split of an iteration
 (rollout vs update, its ``perf/time_*`` columns) is printed beside it. The order of the two libraries alternates
 between seeds, so neither always runs first on a warmer (or busier) machine.
@@ -98,13 +100,13 @@ def run_ppokit(model_dir: Path, iterations: int, seed: int, s: dict) -> dict:
     cfg = LMConfig(seed=seed, temperature=1.0, scale_rewards="group", loss_reduction="token_mean", torch_threads=1,
                    console=False, tensorboard=False, **s)
     trainer = GRPOTrainer(model, tok, reward=demo.reward, prompts=[demo.PROMPT] * s["batch_prompts"], config=cfg)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     history = trainer.train(iterations)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     ev = demo.evaluate(trainer.policy, tok, seed=12345)
     split = {p: sum(m.get(S.perf_time(p), 0.0) for m in history) / iterations for p in ("rollout", "update")}
-    return {"build": t1 - t0, "per_iter": (t2 - t1) / iterations, "reward": ev["reward"],
-            "well_formed": ev["well_formed"], "split": split,
+    return {"build": t1 - t0, "per_iter": (t2 - t1) / iterations, "cpu_per_iter": (c2 - c1) / iterations,
+            "reward": ev["reward"], "well_formed": ev["well_formed"], "split": split,
             "train_score_last": history[-1][S.SCORE_MEAN] if history else float("nan")}
 
 
@@ -133,14 +135,15 @@ def run_trl(model_dir: Path, iterations: int, seed: int, s: dict, out: Path) -> 
     dataset = Dataset.from_dict({"prompt": [demo.PROMPT] * (s["batch_prompts"] * s["group_size"] * iterations)})
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=demo.reward, args=args, train_dataset=dataset)
     trainer.remove_callback(PrinterCallback)  # its per-log dict on stdout; the numbers stay in state.log_history
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     trainer.train()
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     tok = AutoTokenizer.from_pretrained(model_dir)
     ev = demo.evaluate(trainer.model, tok, seed=12345)  # evaluate() samples in eval mode
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"build": t1 - t0, "per_iter": (t2 - t1) / iterations, "reward": ev["reward"],
-            "well_formed": ev["well_formed"], "train_score_last": rewards[-1] if rewards else float("nan")}
+    return {"build": t1 - t0, "per_iter": (t2 - t1) / iterations, "cpu_per_iter": (c2 - c1) / iterations,
+            "reward": ev["reward"], "well_formed": ev["well_formed"],
+            "train_score_last": rewards[-1] if rewards else float("nan")}
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -218,28 +221,30 @@ def main(argv: list[str] | None = None) -> int:
                     res[lib] = (run_ppokit(model_dir, iterations, seed, settings) if lib == "ppokit" else
                                 run_trl(model_dir, iterations, seed, settings, root / f"trl_{size}_{seed}"))
                 pk = res["ppokit"]
-                line = [size, f"{n_params / 1e6:.2f}M", seed, iterations, start, pk["per_iter"],
+                line = [size, f"{n_params / 1e6:.2f}M", seed, iterations, start, pk["per_iter"], pk["cpu_per_iter"],
                         pk["split"]["rollout"], pk["split"]["update"], pk["reward"]]
                 if "trl" in res:
                     tr = res["trl"]
-                    line += [tr["per_iter"], tr["reward"], tr["per_iter"] / pk["per_iter"]]
-                    ratios.append((size, tr["per_iter"] / pk["per_iter"], pk["reward"], tr["reward"]))
+                    wall, cpu = tr["per_iter"] / pk["per_iter"], tr["cpu_per_iter"] / pk["cpu_per_iter"]
+                    line += [tr["per_iter"], tr["cpu_per_iter"], tr["reward"], wall, cpu]
+                    ratios.append((size, wall, cpu, pk["reward"], tr["reward"]))
                 else:
-                    line += [float("nan")] * 3
+                    line += [float("nan")] * 5
                 rows.append(line)
                 print(f"  {size} seed {seed}: SFT {sft_seconds:.1f} s, order {'/'.join(order)}, load "
                       f"{os.getloadavg()[0]:.2f}", flush=True)
-    headers = ["model", "params", "seed", "iters", "SFT reward", "ppokit s/iter", "  rollout", "  update",
-               "ppokit reward", "TRL s/iter", "TRL reward", "speed ratio (TRL/ppokit)"]
+    headers = ["model", "params", "seed", "iters", "SFT reward", "ppokit s/iter", "CPU s/iter", "  rollout",
+               "  update", "ppokit reward", "TRL s/iter", "CPU s/iter", "TRL reward", "ratio wall", "ratio CPU"]
     print()
     print(_table(headers, rows))
     print()
     for size in sizes:
         rs = [r for r in ratios if r[0] == size]
         if rs:
-            print(f"RATIO {size} speed ppokit vs TRL (TRL s/iter / ppokit s/iter, median): "
-                  f"{statistics.median(r[1] for r in rs):.2f}x; eval reward ppokit "
-                  f"{statistics.mean(r[2] for r in rs):.3f} vs TRL {statistics.mean(r[3] for r in rs):.3f}")
+            print(f"RATIO {size} speed ppokit vs TRL (TRL s/iter / ppokit s/iter, median): wall "
+                  f"{statistics.median(r[1] for r in rs):.2f}x, CPU {statistics.median(r[2] for r in rs):.2f}x; "
+                  f"eval reward ppokit {statistics.mean(r[3] for r in rs):.3f} vs TRL "
+                  f"{statistics.mean(r[4] for r in rs):.3f}")
     if trl is None:
         print("RATIO n/a: trl is not installed (pip install -e '.[bench-lm]'); ppokit side only")
     return 0
