@@ -5,8 +5,8 @@ reads (nothing is downloaded), imports the reward function from the current dire
 trains and saves the policy into the run directory. ``ppokit lm demo`` is the self-contained CPU demo.
 
 Every ``LMConfig`` field is a flag (``--kl-coef``, ``--group-size``, ...). Building that parser needs torch, and
-``ppokit --help`` must stay light (tests/test_startup.py), so the top-level parser only routes ``ppokit lm ALGO``
-here with the rest of the command line unparsed; the handler builds the full parser and parses it strictly.
+``ppokit --help`` must stay light (tests/test_startup.py), so ``ppokit lm ALGO`` is registered empty and builds
+its full parser only when it is the subcommand being parsed (``_Deferred``).
 Bad input (model dir, reward, prompts, pairs, config value) is one ``error:`` line and exit code 2.
 """
 
@@ -20,16 +20,16 @@ ALGOS = ("ppo", "grpo", "dpo")
 
 
 class _Deferred(argparse.ArgumentParser):
-    """A subcommand parser that keeps its whole command line for the handler instead of parsing it now."""
+    """A subcommand parser built empty (cheap for ``ppokit --help``) that parses its command line with the full
+    parser (``_full_parser``: every LMConfig field a flag) only when this subcommand is the one being run; the
+    result is ``namespace.lm_args``. Unknown flags and ``--help`` behave as argparse's always do."""
 
     def parse_known_args(self, args=None, namespace=None):
         namespace = namespace if namespace is not None else argparse.Namespace()
-        namespace.lm_argv = list(args if args is not None else sys.argv[1:])
-        for action in self._actions:  # defaults (handler, lm_command) set through set_defaults
-            if action.dest is not argparse.SUPPRESS and not hasattr(namespace, action.dest):
-                setattr(namespace, action.dest, action.default)
-        for key, value in self._defaults.items():
+        for key, value in self._defaults.items():  # handler, lm_command (set_defaults)
             setattr(namespace, key, value)
+        full = _full_parser(self._defaults["lm_command"])
+        namespace.lm_args = full.parse_args(list(args if args is not None else sys.argv[1:]))
         return namespace, []
 
 
@@ -268,9 +268,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print(f"error: {LM_EXTRA_HINT}", file=sys.stderr)
         return 2
-    command = args.lm_command
-    parser = _full_parser(command)
-    full = parser.parse_args(args.lm_argv)  # argparse's own usage errors exit 2
+    command, full = args.lm_command, args.lm_args
     from ppokit.config import ConfigError
 
     try:
