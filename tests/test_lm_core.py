@@ -181,7 +181,8 @@ def test_an_nn_module_reward_model_scores_the_token_ids():
         def forward(self, input_ids, attention_mask):
             return (input_ids * attention_mask).sum(-1, keepdim=True).float()  # [B, 1]
 
-    info = dict(INFO, input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    info = dict(INFO, input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]),
+                attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
     assert make_reward(SumIds())(["p", "p"], ["a", "b"], info).tolist() == [5.0, 15.0]
 
 
