@@ -17,9 +17,10 @@ IEEE-754 elementwise operation done in the same order on float64 values:
 * ``RewardScaler.scale``: the reward first rounded to float32 (as the collector hands it over), the running
   return ``ret*gamma + r``, its statistics, ``clip(r / sqrt(var + eps))`` rounded to float32.
 
-The torch objects stay the source of truth between rollouts (checkpoints, evaluation, resume read them): the
-statistics are read from them when a rollout starts and written back (fresh tensors, never in place) after every
-update, so a save from within a rollout (an env failure) sees what the torch path would have had.
+The torch objects stay the source of truth between rollouts (checkpoints, evaluation, resume read them): when a
+rollout starts, their statistics are replaced by copies (so no tensor anyone else holds is ever written) that
+are then written in place, through numpy views, after every merge; a save from within a rollout (an env failure)
+sees what the torch path would have had.
 ``tests/test_hostnorm.py`` checks the identity op by op and on whole runs.
 
 Used only for one env on a CPU device (several rows per merge would need torch's own reductions to match).
@@ -38,9 +39,11 @@ from .normalize import ObsNormalizer, RewardScaler
 __all__ = ["HostNormalizers"]
 
 
-def _t(value: Any) -> torch.Tensor:
-    """A float64 CPU tensor sharing ``value``'s (fresh) memory."""
-    return torch.from_numpy(np.asarray(value, dtype=np.float64))
+def _own(rms: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Give ``rms`` (a ``RunningMeanStd``) fresh copies of its statistics; numpy views of them (mean, var,
+    count), written in place after each merge."""
+    rms.mean, rms.var, rms.count = rms.mean.clone(), rms.var.clone(), rms.count.clone()
+    return rms.mean.numpy(), rms.var.numpy(), rms.count.numpy()
 
 
 class HostNormalizers:
@@ -65,13 +68,16 @@ class HostNormalizers:
         if any(getattr(x.rms, "reduce", None) is not None for x in (on, rs) if x is not None):
             return False
         if on is not None:
-            rms = on.rms
-            self.o_mean, self.o_var = rms.mean.numpy(), rms.var.numpy()
-            self.o_count = float(rms.count)
+            self.o_views = _own(on.rms)
+            self.o_mean, self.o_var = self.o_views[0].copy(), self.o_views[1].copy()
+            self.o_count = float(self.o_views[2])
+            self.o_std = np.sqrt(self.o_var + on.eps)
         if rs is not None:
-            rms = rs.rms
-            self.r_mean, self.r_var, self.r_count = float(rms.mean), float(rms.var), float(rms.count)
-            self.r_ret = float(rs.returns.reshape(-1)[0])
+            self.r_views = _own(rs.rms)
+            self.r_mean, self.r_var, self.r_count = (float(v) for v in self.r_views)
+            rs.returns = rs.returns.clone()
+            self.r_ret_view = rs.returns.numpy().reshape(-1)
+            self.r_ret = float(self.r_ret_view[0])
         return True
 
     # ------------------------------------------------------------------ observations
@@ -88,14 +94,17 @@ class HostNormalizers:
         self.o_mean = self.o_mean + delta * (1.0 / total)
         self.o_var = m2 / total
         self.o_count = total
-        rms = on.rms
-        rms.mean, rms.var, rms.count = _t(self.o_mean), _t(self.o_var), _t(total)
+        self.o_std = np.sqrt(self.o_var + on.eps)  # normalize's divisor until the next merge
+        v_mean, v_var, v_count = self.o_views
+        v_mean[...], v_var[...], v_count[...] = self.o_mean, self.o_var, total
 
     def normalize(self, obs: np.ndarray) -> np.ndarray:
         """``obs_norm.normalize(obs)`` as a float32 array of ``obs``'s shape."""
         on = self.obs_norm
-        out = (obs.astype(np.float64) - self.o_mean) / np.sqrt(self.o_var + on.eps)
-        return np.clip(out, -on.clip, on.clip, out=out).astype(np.float32)
+        out = (obs.astype(np.float64) - self.o_mean) / self.o_std
+        # torch's clamp is max then min (NaN passes through); np.clip's Python dispatch costs more than both.
+        np.maximum(out, -on.clip, out=out)
+        return np.minimum(out, on.clip, out=out).astype(np.float32)
 
     # ------------------------------------------------------------------ rewards
     def scale(self, reward: float, done: bool) -> np.float32:
@@ -103,7 +112,6 @@ class HostNormalizers:
         rs = self.reward_scaler
         r = float(np.float32(reward))  # the collector hands the scaler float32 rewards
         ret = self.r_ret * rs.gamma + r
-        rms = rs.rms
         if not rs.frozen:
             count = self.r_count
             total = count + 1.0
@@ -112,9 +120,10 @@ class HostNormalizers:
             self.r_mean = self.r_mean + delta * (1.0 / total)
             self.r_var = m2 / total
             self.r_count = total
-            rms.mean, rms.var, rms.count = _t(self.r_mean), _t(self.r_var), _t(total)
+            v_mean, v_var, v_count = self.r_views
+            v_mean[...], v_var[...], v_count[...] = self.r_mean, self.r_var, total
         scaled = min(max(r / math.sqrt(self.r_var + rs.eps), -rs.clip), rs.clip)
         # The return restarts for an env whose episode just ended, after this step's reward was used.
         self.r_ret = 0.0 if done else ret
-        rs.returns = _t([self.r_ret])
+        self.r_ret_view[0] = self.r_ret
         return np.float32(scaled)
