@@ -139,6 +139,10 @@ def test_grpo_trains_a_saved_model_and_saves_the_policy(workdir, model_dir, caps
     assert meta["algo"] == "grpo" and meta["config"]["seed"] == 3 and meta["config"]["group_size"] == 2
     AutoModelForCausalLM.from_pretrained(workdir / "run" / "policy")  # a model directory again
     assert (workdir / "run" / "trainer_state.pt").is_file()
+    # A second run into the same directory would append its rows to the first one's metrics.csv: refused.
+    assert main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--run-dir", "run")) == 2
+    assert "already holds a run (metrics.csv, lm_run.json, trainer_state.pt)" in capsys.readouterr().err
+    assert len((workdir / "run" / "metrics.csv").read_text().splitlines()) == 3
 
 
 def test_ppo_dpo_and_lora_train(workdir, model_dir, capsys):

@@ -85,6 +85,15 @@ def test_sampling_does_not_move_the_global_rng_and_is_seeded():
     assert model.training  # the caller's mode is restored
 
 
+def test_a_second_demo_run_rewrites_its_run_dirs(tmp_path):
+    tiny = demo.DemoSettings(sft_steps=3, iterations=2, dpo_samples=64, dpo_steps=2, eval_samples=8)
+    for _ in range(2):
+        r = demo.run_demo(seed=2, out_dir=tmp_path, quiet=True, settings=tiny)
+    for stage, rows in (("ppo", 2), ("grpo", 2), ("dpo", 2)):
+        assert len((tmp_path / stage / "metrics.csv").read_text().splitlines()) == rows + 1, stage
+    assert r["ppo"]["iterations"] == 2 and (tmp_path / "lm_demo.png").is_file()
+
+
 # ---------------------------------------------------------------- the whole demo (one run, several checks)
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):

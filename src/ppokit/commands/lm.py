@@ -16,6 +16,7 @@ import argparse
 import sys
 
 LM_EXTRA_HINT = "ppokit lm needs the language-model extra: pip install -e '.[lm]'"
+RUN_FILES = ("metrics.csv", "lm_run.json", "trainer_state.pt")  # what an LM trainer writes into its run dir
 ALGOS = ("ppo", "grpo", "dpo")
 
 
@@ -302,6 +303,11 @@ def _train(command: str, full: argparse.Namespace) -> int:
         raise InputError(f"--iterations {full.iterations}: must be a positive integer")
     config = config_from_args(full)  # before any model is loaded: a bad value costs nothing
     check_model_dir(full.model)
+    run_dir = Path(full.run_dir) if full.run_dir else _default_run_dir(command, config.seed)
+    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if held:  # the trainer appends to metrics.csv: a second run there would mix two runs' rows
+        raise InputError(f"--run-dir {run_dir}: already holds a run ({', '.join(held)}); choose another directory "
+                         "or remove it")
     if command == "dpo":
         data = load_pairs(full.pairs)
     else:
@@ -310,7 +316,6 @@ def _train(command: str, full: argparse.Namespace) -> int:
     model, tokenizer = load_model_dir(full.model, device=config.device)
     if full.lora:
         model = apply_lora(model, full.lora_r)
-    run_dir = Path(full.run_dir) if full.run_dir else _default_run_dir(command, config.seed)
 
     from ppokit.lm import DPOTrainer, GRPOTrainer, PPOTrainer
 

@@ -188,9 +188,26 @@ def lm_config(seed: int, settings: DemoSettings, **fields):
     return LMConfig(**{**base, **settings.extra, **fields})
 
 
+# What a trainer writes into its run dir; the demo clears these before it writes a stage again (the trainers
+# append to metrics.csv, and the demo's output is meant to be rewritten by each run).
+_RUN_OUTPUTS = ("metrics.csv", "lm_run.json", "alerts.jsonl", "trainer_state.pt")
+
+
+def _fresh(run_dir: Path | None) -> Path | None:
+    if run_dir is not None:
+        for name in _RUN_OUTPUTS:
+            (run_dir / name).unlink(missing_ok=True)
+        if (run_dir / "tb").is_dir():
+            import shutil
+
+            shutil.rmtree(run_dir / "tb")
+    return run_dir
+
+
 def _rl_stage(cls, sft_model, tokenizer, config, run_dir, iterations: int, before: dict, eval_seed: int) -> dict:
     from .. import schema as S
 
+    run_dir = _fresh(run_dir)
     model = copy.deepcopy(sft_model)
     trainer = cls(model, tokenizer, reward=reward, prompts=[PROMPT] * config.batch_prompts, config=config,
                   run_dir=run_dir)
@@ -286,7 +303,7 @@ def _dpo_stage(cls, sft_model, tokenizer, seed: int, settings: DemoSettings, run
     held_out, train_pairs = pairs[:split], pairs[split:]
     config = lm_config(seed, settings, learning_rate=settings.dpo_learning_rate, beta=settings.dpo_beta,
                        batch_prompts=16)
-    trainer = cls(copy.deepcopy(sft_model), tokenizer, pairs=train_pairs, config=config, run_dir=run_dir)
+    trainer = cls(copy.deepcopy(sft_model), tokenizer, pairs=train_pairs, config=config, run_dir=_fresh(run_dir))
     before = trainer.preference_accuracy(held_out)
     reward_before = evaluate(sft_model, tokenizer, settings.eval_samples, seed=seed + 1000)["reward"]
     started = time.perf_counter()
