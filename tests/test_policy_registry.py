@@ -236,3 +236,11 @@ def test_normalize_obs_is_refused_for_a_pure_image(tmp_path):
     with pytest.raises(ConfigError, match=r"normalize_obs.*is an image \(uint8 pixels"):
         ppokit.train(_tiny(normalize_obs=True), run_dir=tmp_path / "r", console_enabled=False,
                      env=lambda: _Cue(image=True))
+
+
+def test_resuming_with_an_env_of_another_observation_kind_names_both_policies(tmp_path):
+    run = ppokit.train(_tiny(), run_dir=tmp_path / "r", console_enabled=False, env=lambda: _Cue(image=True))
+    with pytest.raises(ckpt.CheckpointError, match=r"holds a policy for 3888 observation features, discrete actions "
+                                                   r"\[2\] \(image observations, encoder_actor_critic\), but .* needs "
+                                                   r"one for 3 observation features"):
+        ppokit.resume(run.run_dir, total_timesteps=256, console_enabled=False, env=_Cue)

@@ -154,7 +154,11 @@ def describe_policy_spec(spec: Any) -> str:
     """``"4 observation features, discrete actions [2]"`` for a policy spec (or what is wrong with it)."""
     if not isinstance(spec, dict):
         return f"an unreadable policy spec {spec!r}"
-    return f"{spec.get('obs_dim')} observation features, {spec.get('kind')} actions {spec.get('action_dims')}"
+    text = f"{spec.get('obs_dim')} observation features, {spec.get('kind')} actions {spec.get('action_dims')}"
+    encoding = spec.get("obs_encoding")
+    if spec.get("type", "actor_critic") != "actor_critic" and isinstance(encoding, dict):
+        text += f" ({encoding.get('type')} observations, {spec.get('type')})"  # an image or Dict/Tuple policy
+    return text
 
 
 def _check_env_fits(policy: ActorCritic, env: Any, env_id: str, spaces: dict | None) -> None:

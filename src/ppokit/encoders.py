@@ -265,7 +265,8 @@ class DictEncoder:
     def problem(self, obs: Any, n: int | None = None) -> str | None:
         """What is wrong with a batch of ``n`` observations (a missing key, a part of another shape), or None."""
         kind = "Tuple" if self.tuple_space else "Dict"
-        if self.tuple_space and not isinstance(obs, (tuple, list)) or not self.tuple_space and not hasattr(obs, "keys"):
+        shaped = isinstance(obs, (tuple, list)) if self.tuple_space else hasattr(obs, "keys")
+        if not shaped:
             return f"observations of type {type(obs).__name__}, expected a {kind} of arrays"
         for key, part in self.parts.items():
             try:
