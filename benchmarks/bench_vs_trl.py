@@ -39,7 +39,6 @@ Defaults take ~3-5 minutes on an idle 2-core machine. Without trl installed the 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
