@@ -381,3 +381,41 @@ def test_the_default_value_model_is_a_separate_trunk_copy_with_a_zero_head(model
     assert torch.equal(s.batch.values, torch.zeros_like(s.batch.values))  # zero head: V = 0 everywhere at first
     t.train(1)
     assert t.value_model.head.weight.abs().sum() > 0  # the critic learns
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_at_ratio_one_the_grpo_loss_is_minus_the_reduced_advantage(mode, model, tok):
+    # First minibatch: pi_theta == pi_old == pi_ref, so the ratio is 1, the k3 KL is 0 and the loss is -A reduced by
+    # the mode (each completion's advantage on each of its n_b real tokens; L = max_new_tokens for the sum norm).
+    t = GRPOTrainer(model, tok, reward=reward, prompts=PROMPTS, config=LMConfig(**FAST, loss_reduction=mode))
+    seen = []
+    loss_fn = t._loss
+
+    def spy(mb):
+        loss, stats = loss_fn(mb)
+        if not seen:
+            seen.append((float(loss), mb.advantages[:, 0].clone(), mb.response_mask.sum(-1).float()))
+        return loss, stats
+
+    t._loss = spy
+    t.step()
+    loss, adv, n = seen[0]
+    expected = {"token_mean": -(adv * n).sum() / n.sum(), "seq_mean_token_mean": -adv.mean(),
+                "seq_mean_token_sum_norm": -(adv * n / FAST["max_new_tokens"]).mean()}[mode]
+    assert adv.abs().sum() > 0 and loss == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_values_are_read_at_the_prefix_before_each_response_token(model, tok):
+    from ppokit.lm.ppo import response_values
+
+    t = PPOTrainer(model, tok, reward=reward, prompts=PROMPTS, config=LMConfig(**FAST))
+    torch.nn.init.normal_(t.value_model.head.weight)  # non-zero values
+    ids, attn = encode_prompts(tok, ["XA:", "B:"], tok.pad_token_id, torch.device("cpu"))
+    P, R = ids.shape[1], 3
+    full_ids = torch.cat([ids, torch.full((2, R), tok.convert_tokens_to_ids("X"))], 1)
+    full_attn = torch.cat([attn, torch.ones(2, R, dtype=attn.dtype)], 1)
+    with torch.no_grad():
+        per_position = t.value_model(full_ids, full_attn)  # [B, P + R]
+        values = response_values(t.value_model, full_ids, full_attn, R)
+    # V(s_0) is the value after the last prompt token (column P - 1), V(s_t) after response token t - 1.
+    assert torch.equal(values, per_position[:, P - 1:P + R - 1])
