@@ -72,8 +72,18 @@ def _value_checker(space: Any) -> Any:
     from ..encoders import image_layout, observation_encoder
 
     if isinstance(space, (spaces.Discrete, spaces.Dict, spaces.Tuple)) or image_layout(space) is not None:
-        return observation_encoder(space)
+        # A Dict env's observations come through here every step: build its encoder once per space object (the
+        # space is kept with it, so its id cannot be reused by another while cached).
+        cached = _ENCODERS.get(id(space))
+        if cached is None or cached[0] is not space:
+            if len(_ENCODERS) > 64:
+                _ENCODERS.clear()
+            cached = _ENCODERS[id(space)] = (space, observation_encoder(space))
+        return cached[1]
     return None
+
+
+_ENCODERS: dict[int, tuple[Any, Any]] = {}
 
 
 def describe_reward(reward: Any) -> str | None:
