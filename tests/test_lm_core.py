@@ -328,3 +328,25 @@ def test_live_lm_alerts_fire_on_runaway_kl_and_on_sustained_zero_std_groups():
     fresh = LMAlerts("kl_coef")  # an interrupted streak starts over
     for i, frac in enumerate([1.0] * (patience - 1) + [0.0, 1.0]):
         assert fresh.check(i, {S.FRAC_REWARD_ZERO_STD: frac}) == []
+
+
+def test_token_gae_matches_a_per_sequence_loop_on_ragged_responses():
+    # The independent reference: TRL-style reversed loop over each response's real tokens, bootstrapping 0 after
+    # the last one (the episode ends at the EOS / the budget).
+    g = torch.Generator().manual_seed(0)
+    B, R, gamma, lam = 6, 7, 0.9, 0.8
+    lengths = [0, 1, 3, 7, 5, 2]
+    mask = torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]
+    rewards, values = torch.randn(B, R, generator=g), torch.randn(B, R, generator=g)
+    adv, ret = token_advantages(rewards, values, mask, gamma, lam, whiten=False)
+    for b, n in enumerate(lengths):
+        last = 0.0
+        for t in reversed(range(n)):
+            next_value = float(values[b, t + 1]) if t + 1 < n else 0.0
+            last = float(rewards[b, t]) + gamma * next_value - float(values[b, t]) + gamma * lam * last
+            assert float(adv[b, t]) == pytest.approx(last, rel=1e-5, abs=1e-6)
+            assert float(ret[b, t]) == pytest.approx(last + float(values[b, t]), rel=1e-5, abs=1e-6)
+        assert adv[b, n:].abs().sum() == 0
+    whitened, _ = token_advantages(rewards, values, mask, gamma, lam, whiten=True)
+    real = whitened[mask]
+    assert abs(float(real.mean())) < 1e-6 and float(real.std(unbiased=False)) == pytest.approx(1.0, rel=1e-4)
