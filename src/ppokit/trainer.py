@@ -466,8 +466,14 @@ class Trainer:
         forward pass without autograd, once per update)."""
         from .objectives import approx_kl_k3
 
+        policy = self.policy
         with torch.inference_mode():
-            logp_new, _, _ = self.policy.evaluate(batch.obs, batch.actions, action_mask=batch.action_mask)
+            if getattr(type(policy), "evaluate", None) is ActorCritic.evaluate:
+                # ActorCritic.evaluate's log-probabilities without its critic pass, which the KL does not need.
+                logp_new, _ = policy.log_prob_entropy(policy.masked_head(batch.obs, batch.action_mask),
+                                                      batch.actions)
+            else:
+                logp_new, _, _ = policy.evaluate(batch.obs, batch.actions, action_mask=batch.action_mask)
             return float(approx_kl_k3(logp_new, batch.logp_old))
 
     # ================================================================== 4. metrics
