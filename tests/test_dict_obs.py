@@ -165,6 +165,11 @@ def test_a_dict_image_and_vector_env_learns(tmp_path):
     assert agent.act({"pixels": pixels, "cue": np.array([1.0], np.float32)}) == 1  # one observation
     batch = {"pixels": np.stack([pixels, pixels]), "cue": np.array([[-1.0], [1.0]], np.float32)}
     np.testing.assert_array_equal(agent.act(batch), [0, 1])
+    with pytest.raises(ValueError, match=r"type ndarray, the policy expects a Dict with the entries \['cue', "
+                                         r"'pixels'\]"):
+        agent.act(np.zeros(3))
+    with pytest.raises(ValueError, match="without the Dict entry 'pixels'"):
+        agent.act({"cue": np.array([1.0], np.float32)})
 
 
 def test_a_dict_action_mask_key_is_never_violated(tmp_path):

@@ -301,10 +301,23 @@ class DictEncoder:
         return obs[self.mask_key]
 
     def batch_size(self, obs: Any) -> int | None:
-        """None for one observation, else the batch size (read from the first part's leading axis)."""
+        """None for one observation, else the batch size (read from the first part's leading axis); ValueError
+        for something that is not this Dict/Tuple."""
+        kind = "Tuple" if self.tuple_space else "Dict"
+        shaped = isinstance(obs, (tuple, list)) if self.tuple_space else hasattr(obs, "keys")
         key = next(iter(self.parts))
-        arr = np.asarray(self._raw(obs, key))
-        return None if arr.shape == self.shapes[key] else int(arr.shape[0])
+        try:
+            if not shaped:
+                raise TypeError
+            arr = np.asarray(self._raw(obs, key))
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"observation of type {type(obs).__name__}, the policy expects a {kind} with the "
+                             f"entries {list(self.parts)}") from None
+        single = arr.shape == self.shapes[key]
+        if not single and (arr.ndim == 0 or arr.shape[1:] != self.shapes[key]):
+            raise ValueError(f"observation entry {key!r} of shape {arr.shape}, the policy expects "
+                             f"{self.shapes[key]} or a batch of them")
+        return None if single else int(arr.shape[0])
 
     def nonfinite(self, obs: dict[str, np.ndarray]) -> np.ndarray:
         bad = None
