@@ -205,7 +205,18 @@ def test_save_then_resume_continues_with_identical_metrics(cls, base, tmp_path):
     assert resumed.iteration == 2
     assert _same(resumed.train(2), expected)
     assert (tmp_path / "ckpt" / "policy" / "config.json").exists()
-    assert (tmp_path / "ckpt" / "value_head.safetensors").exists() == (cls is PPOTrainer)
+    assert (tmp_path / "ckpt" / "value_model.safetensors").exists() == (cls is PPOTrainer)
+    if cls is PPOTrainer:  # the saved critic loads into a fresh default value model, no code run
+        from safetensors.torch import load_model
+
+        from ppokit.lm.ppo import default_value_model
+
+        critic = default_value_model(copy.deepcopy(base[0]))
+        load_model(critic, str(tmp_path / "ckpt" / "value_model.safetensors"))
+        from ppokit.checkpoint import load_checkpoint
+
+        saved = load_checkpoint(tmp_path / "ckpt" / "trainer_state.pt")["value_model"]
+        assert all(torch.equal(v, saved[k]) for k, v in critic.state_dict().items())
     # A trained policy passed as the starting model would rebuild the wrong pi_ref: refused.
     with pytest.raises(ValueError, match="reference model differs"):
         cls.resume(tmp_path / "ckpt", t.policy, base[1], reward=reward, prompts=PROMPTS)

@@ -142,11 +142,11 @@ class PPOTrainer(LMTrainer):
         directory = super().save(directory)
         if not self.dist.is_main:  # rank 0 alone writes
             return directory
-        from safetensors.torch import save_file
+        from safetensors.torch import save_model
 
-        head = {k: v.detach().cpu().contiguous() for k, v in self.value_model.state_dict().items()
-                if k.startswith("head.")}
-        save_file(head, str(directory / "value_head.safetensors"))
+        # The whole critic (its trunk is trained too, so the head alone would be no use): ``trunk.*`` and
+        # ``head.*``, loadable into ``default_value_model(policy)`` with ``safetensors.torch.load_model``.
+        save_model(self.value_model, str(directory / "value_model.safetensors"))
         return directory
 
     # ---------------------------------------------------------------- one iteration
