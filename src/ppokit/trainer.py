@@ -33,7 +33,7 @@ from .objectives import explained_variance
 from .resources import check_memory, usable_threads
 from .encoders import obs_index, obs_map, observation_encoder
 from .normalize import make_obs_normalizer
-from .policies import ActorCritic, build_policy, spec_type
+from .policies import ActorCritic, Policy, build_policy, spec_type
 from .epochs import Batch, UpdateSettings, ppo_epochs
 from .flat_adam import FlatAdam
 from .fused_step import FusedStep
@@ -53,7 +53,7 @@ class Run:
     run_dir: Path
     config: PPOConfig
     metrics: list[dict[str, float]]
-    policy: ActorCritic
+    policy: Policy  # an ActorCritic (flat observations) or networks.EncoderActorCritic (image, Dict, Tuple)
     global_step: int
     alerts: list[dict] = field(default_factory=list)
     interrupted: bool = False
