@@ -364,16 +364,20 @@ class Dist:
         return _Guard(self, what)
 
     def lost_ranks(self) -> str:
-        """Which ranks are gone, as far as this host can tell (their processes have exited here), in words."""
+        """Which ranks are gone, as far as this host can tell from their processes, in words."""
         here = socket.gethostname()
-        dead = [r for r, (host, pid) in enumerate(self.peers) if r != self.rank and host == here and not _alive(pid)]
+        state = {r: _proc_state(pid) for r, (host, pid) in enumerate(self.peers) if r != self.rank and host == here}
+        exited = [r for r, st in state.items() if st is None]
+        stopped = [r for r, st in state.items() if st == "T"]
         remote = [r for r, (host, _) in enumerate(self.peers) if host != here]
-        if dead:
-            return "lost rank " + ", ".join(map(str, dead)) + f" (its process exited) of {self.world_size}"
+        of = f" of {self.world_size}"
+        if exited:
+            return "lost rank " + ", ".join(map(str, exited)) + f" (its process exited){of}"
+        if stopped:
+            return "lost rank " + ", ".join(map(str, stopped)) + f" (its process is stopped, not answering){of}"
         if remote:
-            return (f"lost contact with rank(s) on other hosts ({', '.join(map(str, remote))}) of "
-                    f"{self.world_size}")
-        return f"lost contact with the other ranks of {self.world_size}"
+            return f"lost contact with rank(s) on other hosts ({', '.join(map(str, remote))}){of}"
+        return f"got no answer from rank(s) {', '.join(map(str, state))}{of} (their processes still run: hung?)"
 
 
 class _Guard:
@@ -393,17 +397,19 @@ class _Guard:
                                f"({type(exc).__name__}: {detail})") from exc
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` on this host still runs (a zombie, killed but not yet reaped, has exited)."""
+def _proc_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter on this host (``R``, ``S``, ``T`` stopped, ...), None once it has exited
+    (a zombie, killed but not yet reaped, has exited)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+            letter = f.read().rsplit(")", 1)[1].split()[0]
+        return None if letter in ("Z", "X") else letter
+    except (OSError, IndexError):  # no /proc (not Linux): signal 0 tells alive from gone
         try:
             os.kill(pid, 0)
-            return True
+            return "R"
         except OSError:
-            return False
+            return None
 
 
 LOCAL = Dist()
