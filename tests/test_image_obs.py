@@ -74,6 +74,7 @@ def test_the_layout_is_where_the_channel_axis_is(shape, layout):
 def test_only_uint8_3d_boxes_are_images():
     assert image_layout(spaces.Box(0, 1, (3, 64, 64), np.float32)) is None
     assert image_layout(spaces.Box(0, 255, (3, 64, 64), np.int32)) is None
+    assert image_layout(spaces.Box(0, 1, (3, 64, 64), np.uint8)) is None  # a 0/1 mask, not pixels: stays flat
 
 
 def test_an_image_too_small_for_the_cnn_is_refused_naming_its_shape(tmp_path):

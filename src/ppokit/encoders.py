@@ -7,9 +7,9 @@ it, so a new kind of space is added here once:
 - ``Box`` (any other than an image) -> identity flatten: ``np.asarray(obs, dtype=np.float32).reshape(n, -1)``, the
   exact conversion ppokit always made (Box runs compute bit for bit what they did before encoders existed);
 - ``Discrete(n, start)`` -> one-hot float32 of size ``n`` (observation ``start + i`` -> ``e_i``);
-- an image ``Box`` (dtype uint8, 3-D, one axis of size 1, 3 or 4 first or last) -> uint8 ``[n, C, H, W]``: the
-  pixels stay bytes in the buffer (a 4x84x84 Atari frame stack is 28 KB a step, not 113 KB of floats) and the
-  model (``networks.NatureCNN``) scales them by 1/255. The layout is decided by where the channel axis is:
+- an image ``Box`` (dtype uint8, bounds 0..255, 3-D, one axis of size 1, 3 or 4 first or last) -> uint8
+  ``[n, C, H, W]``: the pixels stay bytes in the buffer (a 4x84x84 Atari frame stack is 28 KB a step, not 113 KB
+  of floats) and the model (``networks.NatureCNN``) scales them by 1/255. The layout is decided by where the channel axis is:
   ``(C, H, W)`` when the FIRST axis has size 1/3/4 (Atari frame stacks ``(4, 84, 84)``), else ``(H, W, C)`` when
   the LAST one has (``(64, 64, 3)`` from ``render()``), transposed to channels-first here; an image too small
   for the Nature CNN (height or width < 36) is refused naming its shape;
@@ -164,11 +164,15 @@ class OneHotEncoder(_FloatRows):
 
 # ---------------------------------------------------------------------------------------- images
 def image_layout(space: Any) -> str | None:
-    """``"chw"`` or ``"hwc"`` for an image Box (uint8, 3-D, a channel axis of size 1/3/4 first or last), else
-    None. The first axis wins when both qualify (only images too small for the CNN can have both)."""
+    """``"chw"`` or ``"hwc"`` for an image Box (uint8 with bounds 0..255, 3-D, a channel axis of size 1/3/4 first
+    or last), else None. The first axis wins when both qualify (only images too small for the CNN can have both).
+    A uint8 Box with other bounds (a grid of small codes, a 0/1 mask) is no pixel image: 1/255 would flatten it to
+    almost nothing, so it stays a flat Box (as Stable-Baselines3's ``is_image_space`` also requires)."""
     from gymnasium import spaces
 
     if not (isinstance(space, spaces.Box) and space.dtype == np.uint8 and len(space.shape) == 3):
+        return None
+    if not (np.all(space.low == 0) and np.all(space.high == 255)):
         return None
     if space.shape[0] in CHANNEL_SIZES:
         return "chw"
