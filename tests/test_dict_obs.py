@@ -222,3 +222,25 @@ def test_blackjack_trains_and_evaluates_from_the_cli(tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", str(run_dir), "--episodes", "3"]) == 0
     assert "Blackjack-v1: mean return" in capsys.readouterr().out
+
+
+class _NaNCue(_PixelsAndCue):
+    """Every 5th step's cue is NaN."""
+
+    def _obs(self):
+        obs = super()._obs()
+        self.n = getattr(self, "n", 0) + 1
+        if self.n % 5 == 0:
+            obs["cue"] = np.array([np.nan], np.float32)
+        return obs
+
+
+def test_a_nan_in_a_dict_entry_is_counted_zeroed_and_not_trained_on(tmp_path):
+    cfg = _config(total_timesteps=256, num_envs=2, normalize_obs=True)
+    trainer = Trainer(cfg, run_dir=tmp_path / "r", console_enabled=False, env=_NaNCue)
+    run = trainer.run()
+    assert sum(m["diag/nonfinite_env"] for m in run.metrics) > 0
+    buf = trainer.buffer
+    assert bool(torch.isfinite(buf.obs["cue"]).all())  # zeroed before the policy saw it
+    assert not bool(buf.valid.all())  # those steps are left out of the update
+    assert bool(torch.isfinite(trainer.obs_norm.parts["cue"].rms.mean).all())  # and out of the statistics
