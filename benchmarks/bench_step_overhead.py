@@ -1,0 +1,82 @@
+"""Per-step cost of a one-env ppokit rollout beyond the raw env, with the host normalizers and without them.
+
+For the ``mujoco`` preset (1 env, observation and reward normalization) on ``--env`` (default Hopper-v5): CPU time
+per step (``time.thread_time``, so other jobs on the machine count less than in wall time) of one collector
+rollout of 2048 steps, of the same vector env stepped with a fixed action, and of acting on one row; the minimum
+over ``--reps`` repetitions. "torch" switches the one-env host path (``hostnorm``) off, so the normalizers run on
+one-row tensors as with several envs. Both paths compute the same bits (``tests/test_hostnorm.py``).
+
+    python benchmarks/bench_step_overhead.py [--env Hopper-v5] [--reps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402,F401  (one torch thread)
+
+
+def measure(env_id: str, reps: int, host_path: bool) -> dict[str, float]:
+    import torch
+
+    from ppokit import hostnorm
+    from ppokit.config import load_preset
+    from ppokit.trainer import Trainer
+
+    applies = hostnorm.HostNormalizers.applies
+    if not host_path:
+        hostnorm.HostNormalizers.applies = staticmethod(lambda *a: False)
+    try:
+        cfg = load_preset("mujoco")
+        cfg.env_id, cfg.tensorboard = env_id, False
+        with tempfile.TemporaryDirectory(prefix="ppokit-bench-") as tmp:
+            trainer = Trainer(cfg, run_dir=Path(tmp) / "run", console_enabled=False)
+            envs, steps = trainer.envs, cfg.num_steps
+            action = envs.action_space.sample()
+            obs = torch.zeros(1, trainer.obs_dim)
+            inference = torch.inference_mode()
+            best = {"rollout": 1e9, "env": 1e9, "act": 1e9}
+            for _ in range(reps):
+                t0 = time.thread_time()
+                trainer.collect_rollout()
+                best["rollout"] = min(best["rollout"], (time.thread_time() - t0) / steps)
+                t0 = time.thread_time()
+                for _ in range(steps):
+                    envs.step(action)
+                best["env"] = min(best["env"], (time.thread_time() - t0) / steps)
+                t0 = time.thread_time()
+                with inference:
+                    for _ in range(steps):
+                        trainer.collector.acting.act(obs)
+                best["act"] = min(best["act"], (time.thread_time() - t0) / steps)
+            trainer.envs.close()
+            trainer._claim.release()
+    finally:
+        hostnorm.HostNormalizers.applies = applies
+    return {k: v * 1e6 for k, v in best.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--env", default="Hopper-v5", help="a one-env MuJoCo (or any Box) task (default Hopper-v5)")
+    p.add_argument("--reps", type=int, default=4, help="repetitions; the minimum is reported (default 4)")
+    args = p.parse_args(argv)
+    C.header(f"one-env rollout step cost, {args.env}, mujoco preset")
+    rows = []
+    for name, host in (("host normalizers", True), ("torch normalizers", False)):
+        m = measure(args.env, args.reps, host)
+        rows.append([name, m["rollout"], m["env"], m["act"], m["rollout"] - m["env"]])
+    print(C.table(["path", "rollout us/step", "vector env step us", "acting us (one row)",
+                   "beyond the env us/step"], rows))
+    print(f"load average after: {C.load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
