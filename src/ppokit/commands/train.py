@@ -151,9 +151,11 @@ def run(args: argparse.Namespace) -> int:
     from ppokit.checkpoint import CheckpointError
     from ppokit.envs.errors import EnvError
 
-    # Under torchrun every rank runs this; rank 0 alone speaks (and writes the run dir).
-    if os.environ.get("RANK", "0") != "0":
-        err = Console(stderr=True, quiet=True)
+    # Under torchrun every rank runs this: rank 0 alone says what it trains (and writes the run dir); an error is
+    # printed by the rank that met it, tagged with its rank (another rank's env failure is the news).
+    main_rank = os.environ.get("RANK", "0") == "0"
+    say = err if main_rank else Console(stderr=True, quiet=True)
+    tag = "" if main_rank else f"rank {os.environ['RANK']}: "
     try:
         if args.resume:
             from ppokit.trainer import resume
@@ -171,34 +173,34 @@ def run(args: argparse.Namespace) -> int:
                 # An env id from a file is the file's choice, not the user's: importing its module runs its code.
                 check_stored_env_id(config.env_id, args.import_module, args.config)
             if source and not args.quiet:
-                err.print(escape(source), highlight=False, soft_wrap=True)
+                say.print(escape(source), highlight=False, soft_wrap=True)
             for warning in config.warnings():
-                err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+                say.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
             result = train(config, console_enabled=not args.quiet, overwrite=args.overwrite)
     except (ConfigError, CheckpointError) as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except EnvError as exc:
         # The env raised, or returned what its spaces do not allow; the trainer saved what it could.
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
     except ValueError as exc:
         # Environment problems (unknown id, unsupported spaces) surface as ValueError before training starts.
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except distributed.DistributedError as exc:
         # A rank was lost or timed out; the checkpoints rank 0 wrote are whole (atomic writes). Every rank says it.
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}; rank 0's last checkpoint is whole: "
-                                   "continue with ppokit train --resume RUN_DIR", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}; rank 0's last checkpoint is whole: "
+                  "continue with ppokit train --resume RUN_DIR", highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         # The second Ctrl-C (the first one finishes the update and saves): the last checkpoint is intact.
-        err.print("aborted by a second Ctrl-C; the run dir keeps its last checkpoint", highlight=False)
+        say.print("aborted by a second Ctrl-C; the run dir keeps its last checkpoint", highlight=False)
         return 130
     finally:
         if launched:
             distributed.shutdown()
-    if os.environ.get("RANK", "0") == "0":
+    if main_rank:
         print(f"run dir: {result.run_dir}")
     return 130 if result.interrupted else 0
 
