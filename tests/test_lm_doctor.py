@@ -81,12 +81,16 @@ def test_reward_hacking_needs_the_score_to_rise(tmp_path):
 def test_reward_hacking_without_kl_penalty_even_when_kl_plateaus(tmp_path):
     # A hacked reward saturates within a few iterations; with kl_coef 0 nothing pulls the policy back.
     cols = _healthy(kl_ref=[min(9.0, 1.5 * i) for i in range(N)])
-    d = diagnose(_run(tmp_path, "a", algo="ppo", config={"kl_coef": 0.0}, **cols))
+    d = diagnose(_run(tmp_path, "a", algo="ppo", config={"kl_coef": 0.0}, **cols, **{S.KL_COEF: [0.0] * N}))
     assert _causes(d)[0] == "reward_hacking", d.to_text()
     assert "kl_coef 0.0 (no KL anchor at all)" in d.findings[0].evidence[2]
     assert "raise kl_coef from 0" in d.findings[0].fix
     # The same curves with a KL penalty in place: a plateau at 9 nats is where the penalty holds it.
-    assert "reward_hacking" not in _causes(diagnose(_run(tmp_path, "b", algo="ppo", **cols)))
+    assert "reward_hacking" not in _causes(diagnose(_run(tmp_path, "b", algo="ppo", **cols,
+                                                          **{S.KL_COEF: [0.05] * N})))
+    # GRPO's anchor is beta (it logs no kl_coef column).
+    d = diagnose(_run(tmp_path, "c", algo="grpo", config={"beta": 0.0}, **cols))
+    assert _causes(d)[0] == "reward_hacking" and "raise beta from 0" in d.findings[0].fix
 
 
 def test_length_collapse_and_eos_lost(tmp_path):

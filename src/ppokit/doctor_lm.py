@@ -155,9 +155,10 @@ def _rule_reward_hacking(run: RunData, n: int, rising: bool, trend: str) -> Find
     second = _mean(fin(kl[q:2 * q]))
     last = _mean(fin(kl[n - q:]))
     growing = math.isfinite(second) and last > KL_REF_GROWTH * max(second, 1e-8)
-    knob = "beta" if run.config.get("algo") == "grpo" else "kl_coef"  # GRPO's KL term is beta's; PPO's kl_coef's
+    # PPO logs the KL coefficient it used (KL_COEF); GRPO's KL term is beta's.
+    knob = "kl_coef" if KL_COEF in run.cols else "beta"
     coef = run.config.get(knob)
-    coefs = fin(run.col(KL_COEF))  # PPO logs the coefficient it used (it moves with adaptive_kl)
+    coefs = fin(run.col(KL_COEF))  # it moves with adaptive_kl: the last one used is what anchors the policy now
     unanchored = (coefs[-1] if coefs else coef) == 0
     # Runaway: large and still climbing; or past the usual KL budget with no penalty at all to stop it (a hack
     # that saturates its reward within a few iterations stops climbing, but nothing pulls it back either).
