@@ -399,3 +399,36 @@ def test_a_bad_nproc_is_one_line_and_exit_code_2(capsys):
     assert main(["train", "--nproc", "0", "--env", "CartPole-v1", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "--nproc must be a positive number of processes, got 0" in err and "Traceback" not in err
+
+
+def test_logged_diagnostics_are_those_of_both_ranks_data_together(monkeypatch):
+    """``Dist.diagnostics`` on rank 0, the peer's row in place of the all-gather, against the single-process
+    formulas (``explained_variance``, ``Tensor.std``, episode means) applied to both ranks' data concatenated."""
+    from ppokit import schema as S
+    from ppokit.objectives import explained_variance
+
+    torch.manual_seed(3)
+
+    def data(n, shift):
+        v, y = torch.randn(n) + shift, torch.randn(n) * 2 + shift
+        return v, y, torch.rand(n) * 3, torch.randn(n) + shift
+
+    mine, theirs = data(40, 0.0), data(25, 1.5)
+    ep_mine, ep_theirs = [(10.0, 10), (20.0, 20)], [(40.0, 40)]
+    peer = Dist(rank=1, world_size=2)
+    captured = {}
+    monkeypatch.setattr(peer, "_gather",
+                        lambda row: captured.setdefault("row", torch.tensor(row, dtype=torch.float64)).expand(2, -1))
+    peer.diagnostics(ep_theirs, *theirs, nonfinite_env=1, advantages_nonfinite=2.0)
+    dist = Dist(rank=0, world_size=2)
+    monkeypatch.setattr(dist, "_gather", lambda row: torch.stack([torch.tensor(row, dtype=torch.float64),
+                                                                   captured["row"].double()]))
+    got = dist.diagnostics(ep_mine, *mine, nonfinite_env=0, advantages_nonfinite=0.0)
+    v, y, r, a = (torch.cat([m, t]).double() for m, t in zip(mine, theirs))
+    assert got[S.EPISODIC_RETURN] == pytest.approx(70 / 3) and got[S.EPISODES] == 3
+    assert got[S.EPISODIC_LENGTH] == pytest.approx(70 / 3)
+    assert got[S.NONFINITE_ENV] == 1 and got[S.ADVANTAGES_NONFINITE] == 2
+    # (the residual is formed in float32, as the logged value is: agreement to float32 rounding)
+    assert got[S.EXPLAINED_VARIANCE] == pytest.approx(float(explained_variance(v, y)), rel=1e-6)
+    assert got[S.REWARD_STD] == pytest.approx(float(r.std()), abs=1e-12)
+    assert got[S.ADVANTAGE_STD] == pytest.approx(float(a.std()), abs=1e-12)
