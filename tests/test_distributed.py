@@ -108,13 +108,15 @@ def test_negative_control_without_gradient_sync_the_ranks_drift_apart(tmp_path):
 def two_node_run(tmp_path_factory):
     """Two torchrun agents meeting at one c10d rendezvous endpoint, as two machines would: the autograd path
     with a small target_kl and a large step, so that KL early stopping fires in every update, at different
-    minibatches (each rank's own KL would cross the threshold at different points: a per-rank decision hangs)."""
+    minibatches (each rank's own KL would cross the threshold at different points: a per-rank decision hangs),
+    and an evaluation gate (rank 0 evaluates, every rank stops) that ends the run at update 2 of 3."""
     tmp = tmp_path_factory.mktemp("two_node")
     port = _free_port()
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                 "--rdzv_id=ppokit-test", "--max_restarts=0"]
     args = [*BASE, "--total-timesteps", "384", "--no-fused-update", "--target-kl", "0.003",
-            "--learning-rate", "0.01", "--update-epochs", "4", "--num-minibatches", "4"]
+            "--learning-rate", "0.01", "--update-epochs", "4", "--num-minibatches", "4",
+            "--eval-every", "2", "--eval-threshold", "1", "--eval-episodes", "2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "ppokit", "train", *args]
     env = _env(tmp)
     nodes = [subprocess.Popen([*cmd, "--run-dir", str(tmp / f"run{i}")], env=env, stdout=subprocess.PIPE,
@@ -132,8 +134,8 @@ def test_two_nodes_by_rendezvous_hold_identical_parameters(two_node_run):
     for rc, out, err in results:
         assert rc == 0, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
     rows = _checksums(tmp)
-    assert [u for u, _ in rows] == [1, 2, 3]
-    assert all(d[0] == d[1] for _, d in rows) and len({d[0] for _, d in rows}) == 3
+    assert [u for u, _ in rows] == [1, 2]  # solved at the evaluation of update 2, on both ranks together
+    assert all(d[0] == d[1] for _, d in rows) and len({d[0] for _, d in rows}) == 2
 
 
 def test_kl_early_stop_on_every_rank_together_does_not_hang(two_node_run):
@@ -142,9 +144,10 @@ def test_kl_early_stop_on_every_rank_together_does_not_hang(two_node_run):
     run_dir = next(p for p in (tmp / "run0", tmp / "run1") if (p / "metrics.csv").exists())
     metrics = _metrics(run_dir)
     # Both ranks stopped together in every update (the checksums agree), after different numbers of steps.
-    assert [float(m["diag/early_stopped"]) for m in metrics] == [1.0] * 3
+    assert [float(m["diag/early_stopped"]) for m in metrics] == [1.0] * 2
     applied = [float(m["diag/minibatches"]) for m in metrics]
     assert min(applied) >= 1 and max(applied) < 16 and len(set(applied)) > 1, applied
+    assert float(metrics[1]["charts/eval_return"]) >= 1  # rank 0's evaluation, shared: the gate that stopped both
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
