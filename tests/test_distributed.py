@@ -435,3 +435,19 @@ def test_logged_diagnostics_are_those_of_both_ranks_data_together(monkeypatch):
     assert got[S.EXPLAINED_VARIANCE] == pytest.approx(float(explained_variance(v, y)), rel=1e-6)
     assert got[S.REWARD_STD] == pytest.approx(float(r.std()), abs=1e-12)
     assert got[S.ADVANTAGE_STD] == pytest.approx(float(a.std()), abs=1e-12)
+
+
+def test_every_rank_runs_the_minibatch_count_of_the_smallest_batch(monkeypatch):
+    """A rank whose rollout kept 3 valid steps makes only 3 non-empty minibatches of 4: every rank must run 3
+    (one all-reduce each), or the others wait for a fourth that never comes."""
+    from ppokit.epochs import UpdateSettings, minibatch_sizes
+
+    s = UpdateSettings(algo="ppo", update_epochs=1, num_minibatches=4, clip_coef=0.2, clip_vloss=True,
+                       norm_adv=True, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, target_kl=None)
+    dist = Dist(rank=0, world_size=2)
+    monkeypatch.setattr(dist, "_reduce", lambda values, op=None: [min(values[0], 3.0)])  # the peer kept 3
+    agreed = dist.agree_minibatches(s, 64)
+    assert agreed.num_minibatches == 3 and len(minibatch_sizes(64, agreed.num_minibatches)) == len(
+        minibatch_sizes(3, 4))
+    monkeypatch.setattr(dist, "_reduce", lambda values, op=None: [values[0]])
+    assert dist.agree_minibatches(s, 64) is s and distributed.LOCAL.agree_minibatches(s, 3) is s
