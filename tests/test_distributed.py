@@ -451,3 +451,27 @@ def test_every_rank_runs_the_minibatch_count_of_the_smallest_batch(monkeypatch):
         minibatch_sizes(3, 4))
     monkeypatch.setattr(dist, "_reduce", lambda values, op=None: [values[0]])
     assert dist.agree_minibatches(s, 64) is s and distributed.LOCAL.agree_minibatches(s, 3) is s
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_makes_every_rank_finish_the_update_and_save(tmp_path):
+    """Preemption (Slurm, Kubernetes, or torchrun's own shutdown) sends SIGTERM: the ranks agree to stop, rank 0
+    checkpoints the update it finished (no periodic checkpoint is due: save_every is large)."""
+    from ppokit.checkpoint import load_checkpoint
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ppokit",
+           "train", *BASE, "--total-timesteps", "10000000", "--save-every", "100000", "--run-dir", str(run_dir)]
+    agent = subprocess.Popen(cmd, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not ((run_dir / "metrics.csv").exists() and len(_metrics(run_dir)) >= 2):
+            assert time.monotonic() < deadline and agent.poll() is None, "the run did not start"
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGTERM)
+        agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+        agent.wait()
+    state = load_checkpoint(run_dir / "checkpoint.pt")
+    assert state["update"] == len(_metrics(run_dir)) >= 2

@@ -315,6 +315,8 @@ class Trainer:
         finally:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
+            if getattr(self, "_old_sigterm", None) is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
         wall = time.perf_counter() - start_time
         self._finish(wall, start_step)
         return Run(self.run_dir, cfg, self.metrics, self.policy, self.global_step,
@@ -688,6 +690,10 @@ def _install_sigint(trainer: Trainer):
             raise KeyboardInterrupt
         trainer._stop_requested = True
 
+    if trainer.dist.active:
+        # A data-parallel rank is stopped by SIGTERM (torchrun passes its own on, as Slurm and Kubernetes send it,
+        # and kills ~30 s later): finish the update and save, as for Ctrl-C; every rank agrees to stop.
+        trainer._old_sigterm = signal.signal(signal.SIGTERM, handler)
     return signal.signal(signal.SIGINT, handler)
 
 
