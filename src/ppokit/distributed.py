@@ -13,7 +13,7 @@ What makes the ranks one job (the pattern of CleanRL's multi-GPU PPO, written fo
    the non-finite skip and the KL early stop are decided on the same numbers on every rank (a per-rank KL
    break leaves the others waiting in the next all-reduce forever: the KL mean is what is compared);
 3. equal minibatch counts (one min-all-reduce of the batch size per update), the after-update KL, the
-   evaluation gate (run on rank 0, broadcast) and the Ctrl-C stop agreed on every update;
+   evaluation gate (run on rank 0, broadcast) and a stop (Ctrl-C, SIGTERM, a callback) agreed on every update;
 4. observation/reward normalizer statistics merged from every rank's batch at every step (an all-gather of the
    batch moments combined in rank order, ``RunningMeanStd.reduce``), so every rank normalizes the same way;
 5. the logged diagnostics (returns, explained variance, reward/advantage std, non-finite counts) computed over
@@ -22,8 +22,12 @@ What makes the ranks one job (the pattern of CleanRL's multi-GPU PPO, written fo
    together step exactly the envs of one process with ``K * num_envs`` envs (no seed is shared);
 7. rank 0 alone writes the run dir (lock, logs, TensorBoard, checkpoints, report); the other ranks log to a
    private scratch directory that is deleted at exit;
-8. a lost rank (crash, kill -9) turns the next collective's error into ``DistributedError`` naming it, within
-   ``dist_timeout``; teardown collects garbage before ``destroy_process_group``.
+8. a lost rank (crash, kill -9, stopped or hung) turns the next collective's error into ``DistributedError``
+   naming it, within ``dist_timeout``; teardown collects garbage before ``destroy_process_group``.
+
+The language-model trainers (``lm/``) use the same object: ``shard`` gives each rank its contiguous share of
+the prompts (whole GRPO groups) or pairs, ``global_std`` and ``whiten`` take batch statistics over every rank,
+and ``sync`` averages the token minibatches' gradients.
 
 Batch semantics: ``num_envs`` is per rank, ``total_timesteps`` is global (all ranks' env steps together), so a
 rollout has ``K * num_envs * num_steps`` steps and ``num_minibatches`` splits each rank's share: the averaged
@@ -31,8 +35,8 @@ gradient is that of a global minibatch ``K`` times larger, with the same number 
 and the learning rate as given (no scaling rule). Advantages are normalized per rank's minibatch.
 
 Debugging switches (environment variables, read at start): ``PPOKIT_DIST_CHECKSUMS=FILE`` makes rank 0 append,
-after every update, the update number and a SHA-256 of each rank's parameters (all-gathered) to FILE: equal
-digests on a line prove the ranks hold the same weights. ``PPOKIT_DIST_NO_SYNC=1`` disables the gradient
+after every update, the update number and a SHA-256 of each rank's parameters and normalizer statistics
+(all-gathered) to FILE: equal digests on a line prove the ranks hold the same weights and statistics. ``PPOKIT_DIST_NO_SYNC=1`` disables the gradient
 all-reduce (the ranks drift apart: the negative control of the tests, never for training).
 """
 
@@ -150,13 +154,15 @@ class Dist:
         """Make every rank start from rank 0's weights and merge the normalizers' statistics from now on."""
         if not self.active:
             return
-        with self._guard("broadcasting rank 0's parameters"):
-            tensors = [p.data for p in policy.parameters()] + list(policy.buffers())
-            flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-            torch.distributed.broadcast(flat, src=0)
-            with torch.no_grad():
-                for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
-                    t.copy_(part.view_as(t))
+        with self._guard("broadcasting rank 0's parameters"), torch.no_grad():
+            # Tensor by tensor, in place: no second copy of a large model (a language model) is ever held.
+            for t in [p.data for p in policy.parameters()] + list(policy.buffers()):
+                if t.is_contiguous() and t.dtype != torch.bool:
+                    torch.distributed.broadcast(t, src=0)
+                else:  # gloo has no bool; a strided view broadcasts through a contiguous copy
+                    tmp = t.contiguous().to(torch.uint8 if t.dtype == torch.bool else t.dtype)
+                    torch.distributed.broadcast(tmp, src=0)
+                    t.copy_(tmp.to(t.dtype))
         if acting is not None:
             acting.invalidate()  # its cached weights came from this rank's own initialization
         for norm in normalizers:
