@@ -73,6 +73,7 @@ class LMTrainer:
     """Base of ``PPOTrainer``, ``GRPOTrainer`` and ``DPOTrainer`` (one level of subclassing)."""
 
     algo = "lm"
+    kl_knob = "kl_coef"  # the config field that weighs the KL to pi_ref (named by the KL runaway alert)
     uses_reference = True
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: LMConfig | None = None,
@@ -116,7 +117,7 @@ class LMTrainer:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.logger = None
         self.monitor = Monitor(action_kind="discrete", monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
-        self.lm_alerts = LMAlerts("beta" if self.algo == "grpo" else "kl_coef")
+        self.lm_alerts = LMAlerts(self.kl_knob)
         self.alerts: list[dict] = []
         self.history: list[dict[str, float]] = []
         self._resumed_at: int | None = None

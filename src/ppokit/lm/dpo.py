@@ -75,6 +75,7 @@ class DPOTrainer(LMTrainer):
     """DPO on a causal LM: ``DPOTrainer(model, tokenizer, pairs=[(prompt, chosen, rejected), ...], config=...)``."""
 
     algo = "dpo"
+    kl_knob = "beta"  # DPO's beta sets how far the implicit reward lets the policy leave pi_ref
 
     def __init__(self, model: nn.Module, tokenizer: Any, pairs: Any, config=None, run_dir=None,
                  ref_model: nn.Module | None = None):

@@ -67,6 +67,7 @@ class GRPOTrainer(LMTrainer):
     """GRPO on a causal LM: ``GRPOTrainer(model, tokenizer, reward=..., prompts=..., config=LMConfig(...))``."""
 
     algo = "grpo"
+    kl_knob = "beta"  # GRPO weighs beta * k3 in the loss, not a reward penalty
 
     def __init__(self, model: nn.Module, tokenizer: Any, reward: Any, prompts: Any, config=None, run_dir=None,
                  ref_model: nn.Module | None = None):
