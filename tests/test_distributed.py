@@ -48,9 +48,10 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _torchrun(tmp_path: Path, args: list[str], launcher: list[str] | None = None, **extra: str):
-    launcher = launcher or ["--standalone", "--nproc_per_node=2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "ppokit", "train", *args]
+def _torchrun(tmp_path: Path, args: list[str], **extra: str):
+    """``torchrun --standalone --nproc_per_node=2 -m ppokit train ARGS`` (torchrun picks a free port)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ppokit",
+           "train", *args]
     return subprocess.run(cmd, env=_env(tmp_path, **extra), capture_output=True, text=True, timeout=TIMEOUT)
 
 
