@@ -20,6 +20,7 @@ def test_lunarlander_preset_is_rl_zoos_setting():
     assert (cfg.num_envs, cfg.num_steps, cfg.update_epochs, cfg.minibatch_size) == (16, 1024, 4, 64)
     assert (cfg.gamma, cfg.gae_lambda, cfg.ent_coef, cfg.learning_rate, cfg.anneal_lr) == (0.999, 0.98, 0.01, 3e-4,
                                                                                            False)
+    assert not cfg.clip_vloss  # SB3's clip_range_vf=None
 
 
 def test_lunarlander_trains_from_its_preset_on_the_cli(tmp_path, capsys):
