@@ -230,7 +230,7 @@ class Dist:
         """``fn()`` computed on rank 0 only and sent to every rank (the evaluation gate)."""
         if not self.active:
             return fn()
-        value = torch.tensor([fn() if self.is_main else 0.0], dtype=torch.float64)
+        value = torch.tensor([fn() if self.is_main else 0.0], dtype=torch.float64, device=self._comm_device())
         with self._guard("sharing rank 0's evaluation"):
             torch.distributed.broadcast(value, src=0)
         return float(value[0])
