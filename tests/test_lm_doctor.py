@@ -166,6 +166,10 @@ def test_report_on_an_lm_run(tmp_path):
     for col in (S.SCORE_MEAN, S.KL_REF, S.RESPONSE_LENGTH, S.FRAC_REWARD_ZERO_STD):
         assert f'id="plot-{col.replace("/", "-")}"' in page
     assert "reward hacking" in page and "algo grpo" in page
+    assert "plot-dpo-pref_accuracy" not in page  # only the curves the run logged
+    dpo = _run(tmp_path, "dpo", algo="dpo", **{S.DPO_PREF_ACCURACY: _ramp(0.5, 0.9), S.POLICY_LOSS: _ramp(0.7, 0.3)})
+    page = build_report(dpo)
+    assert 'id="plot-dpo-pref_accuracy"' in page and 'id="plot-charts-score_mean"' not in page
 
 
 # ---------------------------------------------------------------- a real run: kl_coef 0 and reward = length

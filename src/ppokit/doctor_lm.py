@@ -34,7 +34,7 @@ from .monitor import longest_run
 if TYPE_CHECKING:
     from .doctor import Diagnosis, RunData
 
-__all__ = ["is_lm_run", "diagnose_lm", "LM_CURVES", "KL_REF_RUNAWAY", "KL_REF_GROWTH"]
+__all__ = ["is_lm_run", "diagnose_lm", "LM_CURVES", "lm_curves", "KL_REF_RUNAWAY", "KL_REF_GROWTH"]
 
 SCORE = S.SCORE_MEAN
 KL_REF = S.KL_REF
@@ -70,7 +70,15 @@ LM_CURVES = (
     (EOS_FRAC, "EOS fraction", "fraction"),
     (S.ENTROPY, "Per-token entropy", "nats"),
     (ZERO_STD, "Groups with zero reward std", "fraction"),
+    (DPO_ACCURACY, "DPO preference accuracy (the step's pairs)", "accuracy"),
+    (S.DPO_REWARD_MARGIN, "DPO implicit reward margin (chosen - rejected)", "margin"),
+    (S.POLICY_LOSS, "Policy loss", "loss"),
 )
+
+
+def lm_curves(run: RunData) -> tuple[tuple[str, str, str], ...]:
+    """The ``LM_CURVES`` this run logged (a GRPO run has no DPO accuracy, a DPO run no score)."""
+    return tuple(c for c in LM_CURVES if fin(run.col(c[0])))
 
 
 def is_lm_run(run: RunData) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import schema as S
 from .doctor import Diagnosis, diagnose, load_run
-from .doctor_lm import LM_CURVES, is_lm_run
+from .doctor_lm import is_lm_run, lm_curves
 from .plots import CLIPFRAC_BAND, KL_ALARM, KL_WARN, PLAIN_TEXT, _new_figure
 
 __all__ = ["build_report", "write_report", "CURVES"]
@@ -133,9 +133,9 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
     run = load_run(run_dir)
     diag = diagnosis or diagnose(run_dir)
     alerts = _clean_alerts(run.alerts)
-    # A language-model run (ppokit.lm) is plotted per iteration, with its own curves (doctor_lm.LM_CURVES).
+    # A language-model run (ppokit.lm) is plotted per iteration, with the LM curves it logged (doctor_lm).
     lm = is_lm_run(run)
-    curves, xlabel = (LM_CURVES, "iteration") if lm else (CURVES, "environment steps")
+    curves, xlabel = (lm_curves(run), "iteration") if lm else (CURVES, "environment steps")
     steps = run.col(S.UPDATE if lm else S.GLOBAL_STEP)
     max_step = max([s for s in steps if math.isfinite(s)] or [0.0])
     env_id = run.config.get("env_id", "language model" if lm else "?")
