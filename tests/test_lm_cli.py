@@ -74,6 +74,7 @@ def test_bad_model_dir(workdir, model_dir, capsys):
 
 @pytest.mark.parametrize("spec, needle", [
     ("myreward", "expected MODULE:FUNCTION"),
+    ("myreward.py:count_a", "name the module, not the file: myreward:count_a"),
     ("nosuchmod:f", "no module 'nosuchmod'"),
     ("myreward:missing", "has no attribute 'missing'"),
     ("myreward:NOT_CALLABLE", "not a function"),

@@ -175,6 +175,8 @@ def load_reward(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise InputError(f"--reward {spec}: expected MODULE:FUNCTION, e.g. mymod:reward_fn")
+    if module_name.endswith(".py"):
+        raise InputError(f"--reward {spec}: name the module, not the file: {module_name[:-3]}:{attr}")
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
