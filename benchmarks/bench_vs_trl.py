@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the comparison there is speed)")
     args = p.parse_args(argv)
     _quiet()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ppokit.lm import demo
     from ppokit.lm.tiny import SIZES, build_tiny, count_parameters
 
     sizes = [x.strip() for x in args.sizes.split(",") if x.strip()]
@@ -206,14 +209,11 @@ def main(argv: list[str] | None = None) -> int:
             seeds = range(1, 1 + (args.seeds if size == "tiny" else 1))
             iterations = args.iterations if size == "tiny" else args.iterations_10m
             sft_steps = args.sft_steps if size == "tiny" else args.sft_steps_10m
-            n_params = count_parameters(build_tiny(size=size)[0])
+            n_params = count_parameters(build_tiny(demo.ALPHABET, size=size)[0])  # the benchmarked shape
             for seed in seeds:
                 t0 = time.perf_counter()
                 model_dir = sft_model_dir(size, sft_steps, seed, root)
                 sft_seconds = time.perf_counter() - t0
-                from ppokit.lm import demo
-                from transformers import AutoModelForCausalLM, AutoTokenizer
-
                 start = demo.evaluate(AutoModelForCausalLM.from_pretrained(model_dir),
                                       AutoTokenizer.from_pretrained(model_dir), seed=12345)["reward"]
                 order = ["ppokit", "trl"] if seed % 2 else ["trl", "ppokit"]
