@@ -131,6 +131,10 @@ def test_trust_region_rules_are_the_gymnasium_doctors(tmp_path):
     assert "clipfrac_high" in _causes(d)
     d = diagnose(_run(tmp_path, "still", **_healthy(clipfrac=[0.0] * N, approx_kl=[0.0] * N, score=[0.4] * N)))
     assert _causes(d) == ["policy_not_moving"]
+    # KL at the warn level on a few iterations, an unsafe config with monitoring off: notes, still healthy.
+    d = diagnose(_run(tmp_path, "notes", config={"unsafe": True, "monitor_kl": False},
+                      **_healthy(approx_kl=[0.005] * 38 + [0.05] * 2)))
+    assert d.healthy and {"kl_high", "unsafe_run", "monitoring_off"} <= {f.cause for f in d.findings}
 
 
 def test_nonfinite_and_flat(tmp_path):

@@ -15,6 +15,9 @@ in rank order (the first finding is the one to fix first):
    ``CLIPFRAC_HIGH``: the Gymnasium doctor's own rules (``doctor_rules``), one verdict for both kinds of run;
 7. the policy not moving (clip fraction ~0 and approx KL negligible all run) and 8. the score flat.
 
+Notes, which never make a run unhealthy: approx KL at the warn level on some iterations, an unsafe config,
+monitoring switched off (the Gymnasium doctor's notes), and groups with zero reward variance once the score rose.
+
 The LM thresholds below are stated per sequence or as fractions of the run's own first quarter; the trust-region
 ones (approx KL, clip fraction, entropy collapse) are the schema's.
 """
@@ -28,7 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import schema as S
-from .doctor_rules import Finding, RuleContext, _rule_clipfrac_high, _rule_kl_blowup, fin, quarters
+from .doctor_rules import (Finding, RuleContext, _rule_clipfrac_high, _rule_kl_blowup, _rule_kl_high,
+                           _rule_monitoring_off, _rule_unsafe, fin, quarters)
 from .monitor import longest_run
 
 if TYPE_CHECKING:
@@ -292,6 +296,9 @@ def diagnose_lm(run: RunData) -> Diagnosis:
     if not rising and not any(f.severity == "problem" for f in findings):
         findings.append(Finding("score_flat", "the score did not improve, with no other symptom", [trend],
                                 "train longer, raise learning_rate, or check that the reward can vary"))
+    # The Gymnasium doctor's notes (never a problem): KL at the warn level, an unsafe config, monitoring off.
+    findings += [f for f in (_rule_kl_high(context), _rule_unsafe(context), _rule_monitoring_off(context))
+                 if f is not None]
     findings.sort(key=lambda f: (f.severity != "problem",
                                  _ORDER.index(f.cause) if f.cause in _ORDER else len(_ORDER)))
     problems = [f for f in findings if f.severity == "problem"]
