@@ -157,6 +157,7 @@ class Collector:
         # One inference-mode context object, entered at each step: building one per step costs more than a
         # one-env step's acting ops.
         inference = torch.inference_mode()
+        on_cpu = dev.type == "cpu"  # the actions are numpy views then, without a .cpu() dispatch per step
         for t in range(self.num_steps):
             t0 = time.perf_counter()
             if self.masked:
@@ -170,7 +171,7 @@ class Collector:
             obs_copy_(obs_views[t], obs)
             for dest, src in zip(step_views[t], (actions, logp, values)):
                 dest.copy_(src)
-            env_actions = actions.cpu().numpy()
+            env_actions = actions.numpy() if on_cpu else actions.cpu().numpy()
             if self.action_bounds is not None:
                 # The log-prob is of the unclipped sample; only the env sees the clipped action.
                 # np.clip's values (NaN included) by two ufuncs, without its Python-level dispatch.

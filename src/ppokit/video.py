@@ -37,9 +37,14 @@ def record_env0(envs: Any, env_id: str, env_kwargs: dict, folder: Path, every: i
                 custom: bool = False) -> None:
     """Replace sub-env 0 of the (un-reset) sync vector env ``envs`` by a ``RecordVideo`` of an ``rgb_array`` copy
     of it, recording every ``every``-th episode (0, every, 2*every, ...) into ``folder``."""
+    import os
+
     import gymnasium as gym
     from gymnasium.wrappers import RecordVideo
 
+    # rgb_array frames are drawn off-screen: SDL's dummy video driver, so a headless machine prints no
+    # "XDG_RUNTIME_DIR is invalid" line from pygame (a driver the user set is kept).
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     subs = getattr(envs, "envs", None)
     if not subs:
         raise ConfigError("capture_video", "records env 0 of a sync vector env (sub-envs in this process); set "
