@@ -25,6 +25,7 @@ libraries alternates between seeds so neither always runs on a warmer (or busier
 
     python benchmarks/bench_vs_sb3.py [--smoke] [--device cpu] [--seeds 3] [--steps 100000]
                                       [--tasks cartpole,mujoco] [--mujoco-seeds 1]
+                                      [--mujoco-envs HalfCheetah-v5,Hopper-v5]
 
 ``--steps`` is the budget of the RL-Zoo CartPole and the MuJoCo runs; ``--tasks mujoco --steps 4096`` is a short
 sanity run of the MuJoCo comparison.
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", default="cartpole,mujoco",
                    help="comma-separated: cartpole (RL-Zoo + SB3 defaults), mujoco (HalfCheetah-v5, Hopper-v5)")
     p.add_argument("--mujoco-seeds", type=int, default=1, help="seeds per MuJoCo env (default 1)")
+    p.add_argument("--mujoco-envs", default=",".join(MUJOCO_ENVS),
+                   help=f"comma-separated MuJoCo env ids (default {','.join(MUJOCO_ENVS)})")
     p.add_argument("--worker", choices=["sb3", "ppokit"], help=argparse.SUPPRESS)  # one MuJoCo run (internal)
     p.add_argument("--worker-env", help=argparse.SUPPRESS)
     p.add_argument("--seed-one", type=int, default=1, help=argparse.SUPPRESS)
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = tasks - {"cartpole", "mujoco"}
     if unknown:
         p.error(f"--tasks: unknown task(s) {', '.join(sorted(unknown))}; choose from cartpole, mujoco")
-    mujoco_envs = list(MUJOCO_ENVS)
+    mujoco_envs = [e.strip() for e in args.mujoco_envs.split(",") if e.strip()]
     if args.smoke:
         args.seeds, args.steps, args.default_steps, args.default_seeds = 1, 2048, 2048, 1
         args.mujoco_seeds, mujoco_envs = 1, ["Hopper-v5"]
