@@ -6,7 +6,7 @@ rollout of 2048 steps, of the same vector env stepped with a fixed action, and o
 over ``--reps`` repetitions. "torch" switches the one-env host path (``hostnorm``) off, so the normalizers run on
 one-row tensors as with several envs. Both paths compute the same bits (``tests/test_hostnorm.py``).
 
-    python benchmarks/bench_step_overhead.py [--env Hopper-v5] [--reps 4]
+    python benchmarks/bench_step_overhead.py [--env Hopper-v5] [--reps 4] [--smoke]
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--env", default="Hopper-v5", help="a one-env MuJoCo (or any Box) task (default Hopper-v5)")
     p.add_argument("--reps", type=int, default=4, help="repetitions; the minimum is reported (default 4)")
+    p.add_argument("--smoke", action="store_true", help="one repetition (checks the script runs)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.reps = 1
     C.header(f"one-env rollout step cost, {args.env}, mujoco preset")
     rows = []
     for name, host in (("host normalizers", True), ("torch normalizers", False)):

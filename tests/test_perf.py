@@ -188,6 +188,13 @@ def test_bench_vs_sb3_smoke(hide_sb3):
 
 
 @pytest.mark.slow
+def test_bench_step_overhead_smoke():
+    pytest.importorskip("mujoco", reason="needs pip install -e '.[mujoco]'")
+    out = _run_bench("bench_step_overhead.py")
+    assert re.search(r"\| host normalizers\s+\| \d+", out) and re.search(r"\| torch normalizers\s+\| \d+", out)
+
+
+@pytest.mark.slow
 def test_bench_throughput_smoke():
     out = _run_bench("bench_throughput.py")
     assert "| 64 " in out and "RATIO median seconds to solve CartPole" in out
