@@ -690,7 +690,7 @@ def _install_sigint(trainer: Trainer):
             raise KeyboardInterrupt
         trainer._stop_requested = True
 
-    if trainer.dist.active:
+    if getattr(trainer, "dist", distributed.LOCAL).active:
         # A data-parallel rank is stopped by SIGTERM (torchrun passes its own on, as Slurm and Kubernetes send it,
         # and kills ~30 s later): finish the update and save, as for Ctrl-C; every rank agrees to stop.
         trainer._old_sigterm = signal.signal(signal.SIGTERM, handler)
