@@ -537,6 +537,9 @@ class Trainer:
             "time split": ", ".join(f"{p} {self.perf[p]:.1f}s" for p in PERF_PHASES),
             "alerts": self.logger.alerts_overview(),
         }
+        if self.dist.active:
+            lines["ranks"] = (f"{self.dist.world_size} data-parallel ranks x {self.config.num_envs} envs (env steps "
+                              "and SPS count every rank; time split: rank 0's)")
         if self.config.unsafe:
             lines["UNSAFE"] = "this run broke the trust-region guard rails (--unsafe)"
         if self._stop_requested:
