@@ -35,8 +35,10 @@ LOCK_NAME = ".lock"
 # A directory holding any of these holds a run; starting a fresh one there would mix the two.
 RUN_FILES = ("config.toml", "metrics.csv", "checkpoint.pt")
 # Everything a run writes into its directory: what --overwrite removes. Other files (the user's) are kept.
-_OUTPUT_FILES = (*RUN_FILES, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE")
-_OUTPUT_DIRS = ("tb", "videos", "wandb")  # videos: --capture-video; wandb: --track
+# lm_run.json, trainer_state.pt, value_model.safetensors and policy/: what the language-model trainers write.
+_OUTPUT_FILES = (*RUN_FILES, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
+                 "trainer_state.pt", "value_model.safetensors")
+_OUTPUT_DIRS = ("tb", "videos", "wandb", "policy")  # videos: --capture-video; wandb: --track
 _TMP_CHECKPOINT_GLOB = ".checkpoint.pt.*.tmp"
 # Tokens of the locks this process holds: the same pid in a lock is a live owner only if it is one of these.
 _HELD: set[str] = set()

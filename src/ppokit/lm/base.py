@@ -115,6 +115,7 @@ class LMTrainer:
         self._shuffle = torch.Generator(device=self.storage).manual_seed(cfg.seed + 1)
         # Output.
         self.run_dir = None if run_dir is None else Path(run_dir)
+        self.overwrite = False  # set by the subclasses' overwrite=: replace a run the run dir already holds
         self.logger = None
         self.monitor = Monitor(action_kind="discrete", monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
         self.lm_alerts = LMAlerts(self.kl_knob)
@@ -264,8 +265,14 @@ class LMTrainer:
         if self.run_dir is None or self.logger is not None or not self.dist.is_main:  # rank 0 alone logs
             return
         from ..logger import MetricsLogger
+        from ..rundir import claim, trim_to_checkpoint
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # One run per run dir, as for the Gymnasium trainer: a fresh trainer refuses a dir that holds a run (its
+        # metrics.csv would mix two runs) unless overwrite; a resumed one drops what was logged after its checkpoint.
+        resumed = self._resumed_at is not None
+        self._claim = claim(self.run_dir, resume=resumed, overwrite=self.overwrite and not resumed)
+        if resumed:
+            trim_to_checkpoint(self.run_dir, self.iteration, self.completions)
         meta = {"kind": "lm", "algo": self.algo, "config": self.config.to_dict()}
         (self.run_dir / "lm_run.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         cfg = self.config
@@ -279,6 +286,9 @@ class LMTrainer:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
+        if getattr(self, "_claim", None) is not None:
+            self._claim.release()
+            self._claim = None
 
     # ---------------------------------------------------------------- save / resume
     def _extra_state(self) -> dict[str, Any]:

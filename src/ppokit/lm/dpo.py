@@ -78,8 +78,9 @@ class DPOTrainer(LMTrainer):
     kl_knob = "beta"  # DPO's beta sets how far the implicit reward lets the policy leave pi_ref
 
     def __init__(self, model: nn.Module, tokenizer: Any, pairs: Any, config=None, run_dir=None,
-                 ref_model: nn.Module | None = None):
+                 ref_model: nn.Module | None = None, *, overwrite: bool = False):
         super().__init__(model, tokenizer, config, run_dir, ref_model)
+        self.overwrite = overwrite
         self.pairs = _check_pairs(pairs)
         self.consumed = 0
         self._perm: tuple[int, Tensor] | None = None

@@ -70,7 +70,7 @@ class GRPOTrainer(LMTrainer):
     kl_knob = "beta"  # GRPO weighs beta * k3 in the loss, not a reward penalty
 
     def __init__(self, model: nn.Module, tokenizer: Any, reward: Any, prompts: Any, config=None, run_dir=None,
-                 ref_model: nn.Module | None = None):
+                 ref_model: nn.Module | None = None, *, overwrite: bool = False):
         # beta = 0: no KL term, so no reference is built (no copy of the model in memory).
         config = (config if config is not None else LMConfig()).validate()
         if config.group_size < 2:
@@ -78,6 +78,7 @@ class GRPOTrainer(LMTrainer):
                               f"baseline; one completion always has advantage 0), got {config.group_size}")
         self.uses_reference = config.beta > 0
         super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
+        self.overwrite = overwrite
         cfg = self.config
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay)

@@ -111,8 +111,9 @@ class PPOTrainer(LMTrainer):
     algo = "ppo"
 
     def __init__(self, model: nn.Module, tokenizer: Any, reward: Any, prompts: Any, config=None, run_dir=None,
-                 ref_model: nn.Module | None = None, value_model: nn.Module | None = None):
+                 ref_model: nn.Module | None = None, value_model: nn.Module | None = None, *, overwrite: bool = False):
         super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
+        self.overwrite = overwrite
         cfg = self.config
         self.value_model = (value_model if value_model is not None else default_value_model(self.policy))
         self.value_model.to(self.device)
