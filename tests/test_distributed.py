@@ -110,7 +110,7 @@ def two_node_run(tmp_path_factory):
     """Two torchrun agents meeting at one c10d rendezvous endpoint, as two machines would: the autograd path
     with a small target_kl and a large step, so that KL early stopping fires in every update, at different
     minibatches (each rank's own KL would cross the threshold at different points: a per-rank decision hangs),
-    and an evaluation gate (rank 0 evaluates, every rank stops) that ends the run at update 2 of 3."""
+    and an evaluation gate (rank 0's result decides for every rank) that ends the run at update 2 of 3."""
     tmp = tmp_path_factory.mktemp("two_node")
     port = _free_port()
     launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",

@@ -13,7 +13,7 @@ What makes the ranks one job (the pattern of CleanRL's multi-GPU PPO, written fo
    the non-finite skip and the KL early stop are decided on the same numbers on every rank (a per-rank KL
    break leaves the others waiting in the next all-reduce forever: the KL mean is what is compared);
 3. equal minibatch counts (one min-all-reduce of the batch size per update), the after-update KL, the
-   evaluation gate (run on rank 0, broadcast) and a stop (Ctrl-C, SIGTERM, a callback) agreed on every update;
+   evaluation gate (rank 0's result, broadcast) and a stop (Ctrl-C, SIGTERM, a callback) agreed on every update;
 4. observation/reward normalizer statistics merged from every rank's batch at every step (an all-gather of the
    batch moments combined in rank order, ``RunningMeanStd.reduce``), so every rank normalizes the same way;
 5. the logged diagnostics (returns, explained variance, reward/advantage std, non-finite counts) computed over
@@ -227,10 +227,14 @@ class Dist:
         return bool(self._reduce([float(flag)], torch.distributed.ReduceOp.MAX)[0]) if self.active else flag
 
     def from_main(self, fn: Callable[[], float]) -> float:
-        """``fn()`` computed on rank 0 only and sent to every rank (the evaluation gate)."""
+        """Rank 0's ``fn()`` on every rank (the evaluation gate, which decides whether all of them stop).
+
+        Every rank runs ``fn`` (the same deterministic evaluation), so none waits in the broadcast while rank 0
+        evaluates: a long evaluation (Atari games) would otherwise outlast ``dist_timeout``. Rank 0's value is
+        the one taken, so a last-bit difference between hosts cannot split the decision."""
         if not self.active:
             return fn()
-        value = torch.tensor([fn() if self.is_main else 0.0], dtype=torch.float64, device=self._comm_device())
+        value = torch.tensor([fn()], dtype=torch.float64, device=self._comm_device())
         with self._guard("sharing rank 0's evaluation"):
             torch.distributed.broadcast(value, src=0)
         return float(value[0])
