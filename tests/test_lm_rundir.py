@@ -65,3 +65,15 @@ def test_a_resume_into_the_run_dir_logs_each_iteration_once(base, tmp_path):
     resumed.train(2)
     resumed.close()
     assert _updates(run) == [1, 2, 3, 4]
+
+
+def test_the_console_line_of_an_lm_run_shows_its_score_and_speed(base, tmp_path, capsys):
+    from ppokit import schema as S
+
+    t = GRPOTrainer(copy.deepcopy(base[0]), base[1], reward=reward, prompts=PROMPTS,
+                    config=LMConfig(**{**CFG, "console": True, "log_every": 1}), run_dir=tmp_path / "run")
+    history = t.train(2)
+    t.close()
+    assert history[-1][S.SPS] > 0  # completions per second
+    out = capsys.readouterr().out + capsys.readouterr().err
+    assert f"{history[-1][S.SCORE_MEAN]:.1f}" in out and "return –" not in out

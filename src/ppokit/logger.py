@@ -26,7 +26,8 @@ __all__ = ["CSVSink", "TensorBoardSink", "ConsoleSink", "MetricsLogger"]
 
 # Each console column shows the schema's key (schema.py) and accepts a few other spellings (CleanRL's, SB3's), so
 # metrics from another trainer still display.
-_RETURN_KEYS = (S.EPISODIC_RETURN, "charts/mean_return", "charts/return")
+# A language-model run's return is its completions' mean score (reward at the end of the response).
+_RETURN_KEYS = (S.EPISODIC_RETURN, S.SCORE_MEAN, "charts/mean_return", "charts/return")
 _SPS_KEYS = (S.SPS, "charts/SPS", "charts/sps")
 _KL_KEYS = (S.APPROX_KL, "losses/approx_kl")
 _CLIPFRAC_KEYS = (S.CLIPFRAC, "losses/clipfrac")

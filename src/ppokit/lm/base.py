@@ -241,6 +241,8 @@ class LMTrainer:
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
             raise ValueError(f"train: iterations must be an integer >= 0, got {iterations!r}")
         self._open_logger(self.iteration + iterations)
+        if getattr(self, "_sps_origin", None) is None:  # perf/sps counts from the first iteration this object runs
+            self._sps_origin = (time.perf_counter(), self.completions)
         return [self.step() for _ in range(iterations)]
 
     def _finish(self, metrics: dict[str, float], started: float, phases: dict[str, float]) -> dict[str, float]:
@@ -248,7 +250,11 @@ class LMTrainer:
         metrics = {S.UPDATE: float(self.iteration), **metrics}
         for phase, seconds in phases.items():
             metrics[S.perf_time(phase)] = seconds
-        metrics[S.perf_time("iteration")] = time.perf_counter() - started
+        now = time.perf_counter()
+        metrics[S.perf_time("iteration")] = now - started
+        origin = getattr(self, "_sps_origin", None) or (started, self.completions)
+        # Completions per second (global_step counts completions), so the console's SPS column reads for LM runs too.
+        metrics[S.SPS] = (self.completions - origin[1]) / (now - origin[0]) if now > origin[0] else math.nan
         self.history.append(metrics)
         alerts = self.monitor.check(self.iteration, metrics) + self.lm_alerts.check(self.iteration, metrics)
         self._open_logger(self.iteration)
