@@ -301,6 +301,34 @@ def test_env_and_torch_seeds_of_the_ranks_never_overlap():
     assert distributed.LOCAL.env_seed(5, 4) == distributed.LOCAL.seed(5) == 5
 
 
+def test_a_rollout_backend_plugs_in_without_touching_the_learner(tmp_path):
+    """``train(rollout=...)`` builds the rollout side from Collector's arguments: a backend that wraps the local
+    Collector (standing in for remote workers) trains the same run, bit for bit, as the Collector itself."""
+    from ppokit.collector import Collector
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import train
+
+    calls = []
+
+    class Backend:
+        def __init__(self, *args, **kwargs):
+            self._local = Collector(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._local, name)
+
+        def collect(self, global_step):
+            calls.append(global_step)
+            return self._local.collect(global_step)
+
+    cfg = dict(env_id="CartPole-v1", num_envs=2, num_steps=16, total_timesteps=96, tensorboard=False)
+    ref = train(PPOConfig(**cfg), run_dir=tmp_path / "ref", console_enabled=False)
+    run = train(PPOConfig(**cfg), run_dir=tmp_path / "run", console_enabled=False, rollout=Backend)
+    assert calls == [0, 32, 64]
+    assert [m["losses/policy_loss"] for m in run.metrics] == [m["losses/policy_loss"] for m in ref.metrics]
+    assert all(torch.equal(a, b) for a, b in zip(run.policy.parameters(), ref.policy.parameters()))
+
+
 def test_the_collector_is_the_rollout_source_the_trainer_reads(tmp_path):
     from ppokit.config import PPOConfig
     from ppokit.rollout_source import RolloutSource

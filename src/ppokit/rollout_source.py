@@ -5,7 +5,10 @@ so another way of producing them plugs in without touching the learner. ``Collec
 data-parallel runs (``distributed.py``) give each rank its own ``Collector`` and make the ranks agree on the
 learner's side.
 
-A remote rollout-worker backend (e.g. Ray actors, not part of ppokit) would be one more ``RolloutSource``:
+Another backend plugs in as ``ppokit.train(config, rollout=Backend)`` (and ``resume(..., rollout=Backend)``):
+``Backend`` is called with ``Collector``'s arguments (the local vector env, the policy, its acting kernel,
+``num_steps``, ``device``, ``env_id``, the normalizers, the perf timers, the ``fail`` callback) and returns a
+``RolloutSource``. A remote rollout-worker backend (e.g. Ray actors, not part of ppokit) would be one:
 
 * ``collect(global_step)`` sends the current actor weights (``policy.state_dict()``, or the flat ``FlatAdam``
   buffer) and the normalizer statistics to the workers, each worker steps its envs ``num_steps`` times with

@@ -91,7 +91,7 @@ class Trainer:
 
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
-                 env: Any = None, callbacks: Any = None):
+                 env: Any = None, callbacks: Any = None, rollout: Any = None):
         from .callbacks import CallbackList
         from .envs import check_env_id, check_spaces, resolve_env
         from .logger import MetricsLogger
@@ -159,9 +159,11 @@ class Trainer:
         self.acting = ActingKernel(self.policy, self.optimizer) if self.fused else None
         # The rollout: env stepping, both autoreset modes, NaN/Inf, episode statistics, truncation bootstrap;
         # it fills its buffer (``[T, N, ...]`` tensors on the device) with pi_old's steps.
-        self.collector = Collector(self.envs, self.policy, self.acting or self.policy, num_steps=cfg.num_steps,
-                                   device=self.device, env_id=cfg.env_id, obs_norm=self.obs_norm,
-                                   reward_scaler=self.reward_scaler, perf=self.perf, fail=self._rollout_failed)
+        # ``rollout``: another rollout backend (rollout_source.RolloutSource), built with Collector's arguments.
+        self.collector = (rollout or Collector)(self.envs, self.policy, self.acting or self.policy,
+                                                num_steps=cfg.num_steps, device=self.device, env_id=cfg.env_id,
+                                                obs_norm=self.obs_norm, reward_scaler=self.reward_scaler,
+                                                perf=self.perf, fail=self._rollout_failed)
         self.buffer, self.same_step = self.collector.buffer, self.collector.same_step
         self._stop_requested = False
         self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
@@ -701,7 +703,8 @@ def _install_sigint(trainer: Trainer):
 
 
 def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
-          console_enabled: bool = True, overwrite: bool = False, env: Any = None, callbacks: Any = None) -> Run:
+          console_enabled: bool = True, overwrite: bool = False, env: Any = None, callbacks: Any = None,
+          rollout: Any = None) -> Run:
     """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
 
     ``env`` (default: ``config.env_id``) is a registered id, a zero-argument factory returning a ``gymnasium.Env``
@@ -715,20 +718,23 @@ def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = N
 
     ``callbacks``: objects with ``on_update(info)`` (returning False stops the run after that update, with a
     checkpoint) and/or ``on_checkpoint(path)``, or plain functions taken as ``on_update`` (see ``callbacks``).
+
+    ``rollout``: a rollout backend instead of ``collector.Collector`` (a callable taking Collector's arguments and
+    returning a ``rollout_source.RolloutSource``), e.g. remote rollout workers; the learner is unchanged.
     """
     return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled,
-                   overwrite=overwrite, env=env, callbacks=callbacks).run()
+                   overwrite=overwrite, env=env, callbacks=callbacks, rollout=rollout).run()
 
 
 def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
            console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = (), env: Any = None,
-           callbacks: Any = None) -> Run:
+           callbacks: Any = None, rollout: Any = None) -> Run:
     """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
 
     A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
     checkpoint alone never decides what code is imported. A run trained on a custom env (``train(env=factory)``)
     needs that env again as ``env``; ``env`` may also replace a stored id. A damaged, diverged or mismatched
-    checkpoint raises ``CheckpointError``. ``callbacks`` as for ``train``.
+    checkpoint raises ``CheckpointError``. ``callbacks`` and ``rollout`` as for ``train``.
     """
     from .agent import stored_config
 
@@ -739,5 +745,5 @@ def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any
     if total_timesteps is not None:
         config.total_timesteps = total_timesteps
     trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state,
-                      env=env, callbacks=callbacks)
+                      env=env, callbacks=callbacks, rollout=rollout)
     return trainer.run()
