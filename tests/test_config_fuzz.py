@@ -411,3 +411,21 @@ def test_an_envpool_task_the_planner_cannot_probe_keeps_the_library_defaults(fak
     assert main(["train", "--env", "Pong-v5", "--vector-mode", "envpool", "--num-envs", "8"]) == 0
     assert fake_train[0] == PPOConfig(env_id="Pong-v5", vector_mode="envpool", num_envs=8)
     assert "library defaults for Pong-v5" in " ".join(capsys.readouterr().err.split())
+
+
+def test_an_image_observation_is_counted_in_bytes_not_floats():
+    import gymnasium as gym
+    import numpy as np
+    import torch
+
+    from ppokit.encoders import observation_encoder
+    from ppokit.resources import layout_bytes
+
+    frames = observation_encoder(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)).layout()
+    assert layout_bytes(frames) == 4 * 84 * 84
+    assert layout_bytes(((3,), torch.float32)) == 12
+    both = observation_encoder(gym.spaces.Dict({"img": gym.spaces.Box(0, 255, (3, 36, 36), np.uint8),
+                                                "vec": gym.spaces.Box(-1, 1, (5,), np.float32)})).layout()
+    assert layout_bytes(both) == 3 * 36 * 36 + 5 * 4
+    cfg = PPOConfig(num_envs=8, num_steps=128)
+    assert estimate_memory(cfg, 4 * 84 * 84, layout_bytes(frames)) < estimate_memory(cfg, 4 * 84 * 84) / 3

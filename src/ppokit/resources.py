@@ -7,11 +7,12 @@ a lower bound, so ``num_envs = 1e9`` is refused before a billion environments ar
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError
 
@@ -77,13 +78,23 @@ _ENV_BYTES = {"async": 64 << 20}
 _ENV_BYTES_DEFAULT = 64 << 10
 
 
-def estimate_memory(config: "PPOConfig", obs_dim: int) -> int:
+def layout_bytes(layout: Any) -> int:
+    """Bytes of one stored observation from an encoder's ``layout()``: ``(shape, dtype)`` or a dict of them."""
+    if isinstance(layout, dict):
+        return sum(layout_bytes(part) for part in layout.values())
+    shape, dtype = layout
+    return int(math.prod(shape)) * dtype.itemsize
+
+
+def estimate_memory(config: "PPOConfig", obs_dim: int, obs_bytes: int | None = None) -> int:
     """Bytes a run needs beyond the interpreter, roughly: rollout storage plus the environments.
 
     Per transition the buffer holds the observation (twice: storage and the update's normalized copy), the
-    action and about 8 floats (log-prob, value, reward, advantage, return, flags), 4 bytes each.
+    action and about 8 floats (log-prob, value, reward, advantage, return, flags), 4 bytes each. ``obs_bytes`` is
+    one stored observation's size (default ``obs_dim`` float32 values; an image is stored as uint8 bytes).
     """
-    per_sample = (2 * obs_dim + 2 + 8) * 4
+    obs_bytes = obs_dim * 4 if obs_bytes is None else obs_bytes
+    per_sample = 2 * obs_bytes + (2 + 8) * 4
     env_bytes = _ENV_BYTES.get(config.vector_mode, _ENV_BYTES_DEFAULT)
     return (config.num_steps * config.num_envs * per_sample + config.num_envs * env_bytes
             + config.eval_episodes * (_ENV_BYTES_DEFAULT + obs_dim * 4))
@@ -111,9 +122,9 @@ def available_memory(device: str = "cpu") -> int | None:
         return None
 
 
-def check_memory(config: "PPOConfig", obs_dim: int) -> None:
+def check_memory(config: "PPOConfig", obs_dim: int, obs_bytes: int | None = None) -> None:
     """Raise ``ConfigError`` when the run's estimated memory exceeds what the machine has available."""
-    need = estimate_memory(config, obs_dim)
+    need = estimate_memory(config, obs_dim, obs_bytes)
     have = available_memory(config.device)
     if have is None or need <= have:
         return

@@ -30,7 +30,7 @@ from . import schema as S
 from .monitor import Monitor, episode_time_limit
 from .normalize import ObsNormalizer, RewardScaler
 from .objectives import explained_variance
-from .resources import check_memory, usable_threads
+from .resources import check_memory, layout_bytes, usable_threads
 from .encoders import obs_index, obs_map, observation_encoder
 from .normalize import make_obs_normalizer
 from .policies import ActorCritic, Policy, build_policy, spec_type
@@ -128,7 +128,8 @@ class Trainer:
                                    cfg.hidden_sizes, cfg.activation).to(self.device)
         self.obs_dim = self.policy.obs_dim
         try:  # validate() assumed one float per observation; now the real size is known
-            check_memory(cfg, self.obs_dim)
+            stored = layout_bytes(observation_encoder(self.envs.single_observation_space).layout())
+            check_memory(cfg, self.obs_dim, stored)  # images are stored as uint8 bytes, not floats
         except ConfigError:
             self.envs.close()
             raise
