@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a few seconds per run, to check the script")
     args = parser.parse_args()
     if args.smoke:
-        args.steps, args.repeats = 8192, 1
+        args.steps, args.repeats = 4096, 1
     print(f"load average before: {C.load()}")
     print(C.versions())
     print(f"CartPole-v1, {args.steps:,} env steps per run, E = {args.envs} envs per rank, 128 steps per rollout")

@@ -504,3 +504,14 @@ def test_sigterm_to_torchrun_makes_every_rank_finish_the_update_and_save(tmp_pat
         agent.wait()
     state = load_checkpoint(run_dir / "checkpoint.pt")
     assert state["update"] == len(_metrics(run_dir)) >= 2
+
+
+@pytest.mark.slow
+def test_bench_distributed_smoke():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_distributed.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    _ok(proc)
+    for name in ("1 rank", "2 ranks", "1 rank, 2E envs"):
+        assert f"| {name} | " in proc.stdout
+    assert "| 1 rank | " in proc.stdout and "1.00x / 1.00x" in proc.stdout
