@@ -344,41 +344,44 @@ def test_the_collector_is_the_rollout_source_the_trainer_reads(tmp_path):
         trainer._claim.release()
 
 
-GRPO_SCRIPT = '''
+LM_SCRIPT = '''
 import hashlib, json, os, sys
 import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
 from ppokit.lm import DPOTrainer, GRPOTrainer, LMConfig, PPOTrainer
 from ppokit.lm.tiny import build_tiny
-# Each rank builds its model from a different seed: the start-up broadcast must make them one.
-model, tok = build_tiny("ABX:", pad_is_eos=True, seed=int(os.environ["RANK"]))
 reward = lambda prompts, completions: [c.count("X") / max(len(c), 4) for c in completions]
 cfg = LMConfig(learning_rate=3e-3, batch_prompts=4, group_size=4, max_new_tokens=6, update_epochs=2,
                num_minibatches=2, scale_rewards="batch", adaptive_kl=True, tensorboard=False, console=False)
-if sys.argv[3] == "dpo":
-    pairs = [("X:", "XX", "AB"), ("A:", "XA", "BB"), ("AB:", "XXX", "A"), ("B:", "X", "BA")]
-    t = DPOTrainer(model, tok, pairs=pairs, config=cfg, run_dir=sys.argv[1])
-else:
-    Trainer = {"grpo": GRPOTrainer, "ppo": PPOTrainer}[sys.argv[3]]
-    t = Trainer(model, tok, reward=reward, prompts=["X:", "AB:", "BXAX:", "A:"], config=cfg, run_dir=sys.argv[1])
-rows = []
-for _ in range(3):
-    t.step()
-    models = [model] + ([t.value_model] if sys.argv[3] == "ppo" else [])
-    h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for m in models for p in m.parameters())).hexdigest()
-    row = [None] * dist.get_world_size()
-    dist.all_gather_object(row, (h, t.history[-1].get("charts/score_mean")))
-    rows.append(row)
-t.close()
+pairs = [("X:", "XX", "AB"), ("A:", "XA", "BB"), ("AB:", "XXX", "A"), ("B:", "X", "BA")]
+out = {}
+for kind in ("grpo", "ppo", "dpo"):  # one launch, three trainers in turn
+    # Each rank builds its model from a different seed: the start-up broadcast must make them one.
+    model, tok = build_tiny("ABX:", pad_is_eos=True, seed=int(os.environ["RANK"]))
+    run_dir = os.path.join(sys.argv[1], kind)
+    if kind == "dpo":
+        t = DPOTrainer(model, tok, pairs=pairs, config=cfg, run_dir=run_dir)
+    else:
+        Trainer = GRPOTrainer if kind == "grpo" else PPOTrainer
+        t = Trainer(model, tok, reward=reward, prompts=["X:", "AB:", "BXAX:", "A:"], config=cfg, run_dir=run_dir)
+    rows = []
+    for _ in range(3):
+        t.step()
+        models = [model] + ([t.value_model] if kind == "ppo" else [])
+        h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for m in models for p in m.parameters()))
+        row = [None] * dist.get_world_size()
+        dist.all_gather_object(row, (h.hexdigest(), t.history[-1].get("charts/score_mean")))
+        rows.append(row)
+    t.close()
+    out[kind] = rows
 if dist.get_rank() == 0:
-    json.dump(rows, open(sys.argv[2], "w"))
+    json.dump(out, open(sys.argv[2], "w"))
 '''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["grpo", "ppo", "dpo"])
-def test_two_rank_lm_trainers_keep_the_ranks_identical_after_every_update(kind, tmp_path):
+def test_two_rank_lm_trainers_keep_the_ranks_identical_after_every_update(tmp_path):
     """GRPO, PPO-RLHF and DPO on the tiny GPT-2 across 2 ranks: each generates for its 2 of the 4 prompts
     (whole groups) or trains on its 2 of the 4 pairs, GRPO's batch std and PPO's advantage whitening and KL for
     the adaptive coefficient are taken over both ranks, gradients (PPO: of the value model too) are averaged in
@@ -386,19 +389,21 @@ def test_two_rank_lm_trainers_keep_the_ranks_identical_after_every_update(kind, 
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import json
 
-    script = tmp_path / "grpo_dp.py"
-    script.write_text(GRPO_SCRIPT)
+    script = tmp_path / "lm_dp.py"
+    script.write_text(LM_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path / "run"), str(tmp_path / "rows.json"), kind]
+           str(tmp_path / "runs"), str(tmp_path / "rows.json")]
     proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
     _ok(proc)
-    rows = json.loads((tmp_path / "rows.json").read_text())
-    assert len(rows) == 3
-    assert all(r[0][0] == r[1][0] for r in rows), rows  # same weights on both ranks
-    assert len({r[0][0] for r in rows}) == 3  # that moved every update
-    if kind != "dpo":  # from different completions (each rank its own prompts)
-        assert any(r[0][1] != r[1][1] for r in rows)
-    assert len(_metrics(tmp_path / "run")) == 3  # rank 0 alone logged
+    out = json.loads((tmp_path / "rows.json").read_text())
+    for kind, rows in out.items():
+        assert len(rows) == 3, kind
+        assert all(r[0][0] == r[1][0] for r in rows), (kind, rows)  # same weights on both ranks
+        assert len({r[0][0] for r in rows}) == 3, kind  # that moved every update
+        if kind != "dpo":  # from different completions (each rank its own prompts)
+            assert any(r[0][1] != r[1][1] for r in rows), kind
+        assert len(_metrics(tmp_path / "runs" / kind)) == 3, kind  # rank 0 alone logged
+    assert sorted(out) == ["dpo", "grpo", "ppo"]
 
 
 def test_shard_splits_whole_items_and_refuses_an_uneven_split():
