@@ -8,7 +8,7 @@ evaluation with the published CleanRL / RL-Zoo figure for the same task.
 Each run trains with the task's shipped preset (the same one `ppokit train --preset` uses) in its own process
 (``--workers`` at a time, default 2, each at ``nice`` 19 and one torch thread), then evaluates the final policy
 deterministically for ``--eval-episodes`` episodes with the saved normalization statistics frozen (``ppokit.load``
-+ ``ppokit.evaluate``; for Atari, the whole game's unclipped score). ``--time-limit`` (seconds per run) stops a run
++ ``ppokit.evaluate``; for Atari, the whole game's unclipped score, with sampled actions as RL-Zoo does). ``--time-limit`` (seconds per run) stops a run
 as Ctrl-C does (it finishes the update and saves) and records the steps it reached, so a budget that does not fit
 the machine still yields an honest, labelled number. Per task it writes ``<out>/<task>.json`` (per-seed evaluation,
 steps reached, wall time, the learning curve; the reference and its source) and ``<out>/<task>.png`` (learning
@@ -61,6 +61,9 @@ class Task:
     source: str
     env_kwargs: dict = field(default_factory=dict)
     eval_episodes: int = 10
+    # Atari is evaluated with sampled actions, as RL-Zoo does ("deterministic policy except for Atari games"): an
+    # argmax policy can stall a game (measured: Breakout at 52k steps scored 0 deterministically).
+    deterministic_eval: bool = True
 
 
 TASKS: dict[str, Task] = {
@@ -77,9 +80,10 @@ TASKS: dict[str, Task] = {
     "walker2d": Task("Walker2d-v5", "mujoco", 1_000_000, 2, 2288.0, 572.0, 1_000_000, CLEANRL_MUJOCO),
     "invertedpendulum": Task("InvertedPendulum-v5", "mujoco", 100_000, 2, 1000.0, 0.0, 1_000_000,
                              "the task's maximum return (1000 steps balanced)"),
-    "pong": Task("ALE/Pong-v5", "atari", 10_000_000, 1, 20.4, 0.2, 10_000_000, CLEANRL_ATARI, eval_episodes=3),
+    "pong": Task("ALE/Pong-v5", "atari", 10_000_000, 1, 20.4, 0.2, 10_000_000, CLEANRL_ATARI, eval_episodes=3,
+                 deterministic_eval=False),
     "breakout": Task("ALE/Breakout-v5", "atari", 10_000_000, 1, 415.0, 28.0, 10_000_000, CLEANRL_ATARI,
-                     eval_episodes=3),
+                     eval_episodes=3, deterministic_eval=False),
 }
 
 
@@ -125,7 +129,13 @@ def run_one(job: dict) -> dict:
             timer.cancel()
         wall = time.perf_counter() - t0
         agent = ppokit.load(Path(tmp) / "run", device=job["device"])
-        result = ppokit.evaluate(agent, episodes=job["eval_episodes"], seed=10_000 + 1000 * job["seed"])
+        result = ppokit.evaluate(agent, episodes=job["eval_episodes"], seed=10_000 + 1000 * job["seed"],
+                                 deterministic=TASKS[job["task"]].deterministic_eval)
+        if job["keep_runs"]:  # the run dir (checkpoint, metrics, curves) kept for a later look or evaluation
+            import shutil
+
+            shutil.copytree(Path(tmp) / "run", Path(job["keep_runs"]) / f"{job['task']}__s{job['seed']}",
+                            dirs_exist_ok=True)
     curve = [(int(m[S.UPDATE]) * config.batch_size, float(m[S.EPISODIC_RETURN])) for m in run.metrics
              if not math.isnan(m[S.EPISODIC_RETURN])]
     last = [r for _, r in curve[-10:]]  # the last 10 updates, before the curve is thinned
@@ -154,6 +164,7 @@ def summarize(name: str, runs: list[dict], args: argparse.Namespace) -> dict:
         "eval_std_over_seeds": float(np.std(evals)) if evals else None,
         "reference": {"mean": task.ref_mean, "std": task.ref_std, "budget": task.ref_budget, "source": task.source},
         "eval_episodes": len(runs[0]["eval_returns"]) if runs else None,
+        "eval_deterministic": task.deterministic_eval,
         "command": "python benchmarks/returns.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} CPUs, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
@@ -232,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                    "evaluated at the steps reached (0: none)")
     p.add_argument("--eval-episodes", type=int, default=None, help="deterministic evaluation episodes per run")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--keep-runs", type=Path, default=None, metavar="DIR",
+                   help="copy each run dir (checkpoint, metrics) to DIR/<task>__s<seed> (default: temporary)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field for every run (e.g. num_envs=8)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
@@ -266,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(args.first_seed, args.first_seed + (args.seeds or task.seeds)):
             jobs.append({"task": name, "seed": seed, "budget": args.budget or task.budget, "nice": args.nice,
                          "time_limit": args.time_limit, "device": args.device, "overrides": overrides,
-                         "eval_episodes": args.eval_episodes or task.eval_episodes})
+                         "eval_episodes": args.eval_episodes or task.eval_episodes,
+                         "keep_runs": str(args.keep_runs) if args.keep_runs else None})
     try:  # every run's config is refused here, with the field, rather than in a worker
         for job in jobs:
             task_config(job)
