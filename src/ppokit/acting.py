@@ -211,37 +211,43 @@ class ActingKernel:
         Wt, b = self._a_head
         return torch.addmm(b, ha, Wt)
 
-    def act(self, obs: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """``ActorCritic.act`` on the acting weights: (actions, logp [B], values [B]), fresh tensors.
+    def act(self, obs: Tensor, deterministic: bool = False,
+            out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``ActorCritic.act`` on the acting weights: (actions, logp [B], values [B]), fresh tensors, or written
+        into ``out`` (three tensors of those shapes and dtypes, e.g. the rollout buffer's rows of this step:
+        the same ops with ``out=``, so the same bits, without a copy each).
 
         The random numbers are drawn as ``ActorCritic.sample`` draws them (one uniform or normal fill of a
         ``[B, A]`` tensor), so for the same RNG state the actions are the same.
         """
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self.act(obs, deterministic)
+                return self.act(obs, deterministic, out)
+        a_out, logp_out, v_out = (None, None, None) if out is None else out
         ha, ha_t, hc, noise = self._hidden(obs)
         wc, bc = self._c_head
-        values = torch.addmv(bc, hc, wc)
+        values = torch.addmv(bc, hc, wc, out=v_out)
         if self.kind == "discrete":
             W, b = self._a_head_t
             head_t = torch.addmm(b, W, ha_t)  # [A, B]
             if deterministic:
-                actions = noise.copy_(head_t.t()).argmax(1)
+                scores = noise.copy_(head_t.t())
             else:
                 # Gumbel-max with exactly the ops of ActorCritic.sample: head - log(-log(max(u, 1e-20))), the
                 # uniforms filling a [B, A] tensor in row-major order as torch.rand_like(head) does.
                 g = noise.uniform_().clamp_(min=1e-20).log_().neg_().log_()
-                actions = torch.sub(head_t.t(), g, out=g).argmax(1)
-            logp = torch.log_softmax(head_t, 0).gather(0, actions.unsqueeze(0)).view(-1)
+                scores = torch.sub(head_t.t(), g, out=g)
+            actions = torch.argmax(scores, 1, out=a_out)
+            logp = torch.gather(torch.log_softmax(head_t, 0), 0, actions.unsqueeze(0),
+                                out=None if logp_out is None else logp_out.view(1, -1)).view(-1)
         else:
             Wt, b = self._a_head
             head = torch.addmm(b, ha, Wt)
             if deterministic:
-                actions = head
+                actions = head if a_out is None else a_out.copy_(head)
             else:
-                actions = torch.addcmul(head, self._std, noise.normal_())
+                actions = torch.addcmul(head, self._std, noise.normal_(), out=a_out)
             # log N(a; mu, std) = -0.5 |(a - mu)/std|^2 - sum(log std) - D log sqrt(2 pi), from the actions as stored.
             z = torch.sub(actions, head, out=noise).mul_(self._inv_std)
-            logp = torch.add(self._neg_logp_const, z.mul_(z).sum(1), alpha=-0.5)
+            logp = torch.add(self._neg_logp_const, z.mul_(z).sum(1), alpha=-0.5, out=logp_out)
         return actions, logp, values

@@ -31,6 +31,7 @@ from .buffer import RolloutBuffer
 from .config import ConfigError
 from .encoders import MASK_KEY, obs_copy_, obs_index, obs_map, obs_to_tensor, observation_encoder
 from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
+from . import one_env
 from .hostnorm import HostNormalizers
 from .normalize import ObsNormalizer, RewardScaler
 from .policies import mask_logits
@@ -88,6 +89,10 @@ class Collector:
         self.ep_length = np.zeros(N, dtype=np.int64)
         self.prev_done = np.zeros(N, dtype=bool)
         self.last_obs: torch.Tensor | None = None  # [N, obs_dim] the normalized obs after the rollout (GAE's bootstrap)
+        self._one_env = self.one_env_path and one_env.applies(self)
+
+    # The one-env loop (one_env.py) where it applies; False forces the general loop (tests compare the two).
+    one_env_path = True
 
     # ------------------------------------------------------------------ loop state
     def reset(self, seed: int) -> None:
@@ -134,6 +139,11 @@ class Collector:
     def collect(self, global_step: int) -> tuple[Episodes, int]:
         """Fill the buffer with ``num_steps`` steps of every env, starting at ``global_step``; returns (finished
         episodes, non-finite steps). The caller advances its step count by ``num_steps * num_envs``."""
+        if self._one_env:
+            # One in-process env on the CPU: the same loop on scalars (one_env.py), bit for bit.
+            result = one_env.collect_one_env(self, global_step)
+            if result is not None:
+                return result
         buf, dev, N, env_id = self.buffer, self.device, self.num_envs, self.env_id
         t_start = time.perf_counter()
         ep_returns: list[np.ndarray] = []

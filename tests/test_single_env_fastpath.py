@@ -1,0 +1,194 @@
+"""The one-env rollout (``one_env.py``, ``envs.factory.step_one_env``) computes what the general loop computes.
+
+The golden runs (``tests/golden``) use two envs, so they never take the one-env loop; here the same fixed-seed
+one-env run goes through both loops (``Collector.one_env_path`` off for the reference) and must give the same
+metrics.csv (timing columns aside) and the same final parameters, bit for bit: Pendulum (SAME_STEP truncation
+bootstrap, observation and reward normalization, fused and autograd), CartPole (discrete, terminations, no
+normalization) and InvertedPendulum-v5 where MuJoCo is installed. The lean env step is compared with
+``SyncVectorEnv.step`` itself in both autoreset modes, state included.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from ppokit import one_env
+from ppokit.collector import Collector
+from ppokit.envs.factory import one_env_steppable, step_one_env
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+_spec = importlib.util.spec_from_file_location("ppokit_make_golden_1env", GOLDEN / "make_golden.py")
+make_golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_golden)
+
+
+def _run(tmp_path: Path, name: str, lean: bool, **overrides) -> tuple[str, str, bool]:
+    from ppokit.config import PPOConfig
+    from ppokit.trainer import Trainer
+
+    kw = dict(num_envs=1, num_steps=64, num_minibatches=4, update_epochs=2, seed=5, tensorboard=False,
+              log_every=1000, save_every=1000, total_timesteps=4 * 64, **overrides)
+    old = Collector.one_env_path
+    Collector.one_env_path = lean
+    try:
+        trainer = Trainer(PPOConfig(**kw), run_dir=tmp_path / f"{name}-{lean}", console_enabled=False)
+        took = trainer.collector._one_env
+        run = trainer.run()
+    finally:
+        Collector.one_env_path = old
+    return (make_golden.strip_timing((run.run_dir / "metrics.csv").read_text()), make_golden.params_sha256(run.policy),
+            took)
+
+
+CASES = {
+    "pendulum_fused": dict(env_id="Pendulum-v1", normalize_obs=True, normalize_reward=True, fused_update=True),
+    "pendulum_autograd": dict(env_id="Pendulum-v1", normalize_obs=True, normalize_reward=True, fused_update=False),
+    "pendulum_obs_only": dict(env_id="Pendulum-v1", normalize_obs=True, fused_update=True),
+    "cartpole_plain": dict(env_id="CartPole-v1", fused_update=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_env_run_matches_general_loop(name, tmp_path):
+    lean_csv, lean_params, took = _run(tmp_path, name, True, **CASES[name])
+    ref_csv, ref_params, ref_took = _run(tmp_path, name, False, **CASES[name])
+    assert took and not ref_took, "the case must compare the one-env loop against the general one"
+    assert lean_csv == ref_csv
+    assert lean_params == ref_params
+
+
+def test_one_env_mujoco_run_matches_general_loop(tmp_path):
+    pytest.importorskip("mujoco", reason="needs pip install -e '.[mujoco]'")
+    cfg = dict(env_id="InvertedPendulum-v5", normalize_obs=True, normalize_reward=True, fused_update=True)
+    lean = _run(tmp_path, "ip", True, **cfg)
+    ref = _run(tmp_path, "ip", False, **cfg)
+    assert lean[2] and not ref[2]
+    assert lean[:2] == ref[:2]
+
+
+def _vec(env_id: str, mode):
+    return gym.make_vec(env_id, num_envs=1, vectorization_mode="sync", vector_kwargs={"autoreset_mode": mode})
+
+
+@pytest.mark.parametrize("mode", [gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.NEXT_STEP])
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+def test_step_one_env_is_sync_vector_env_step(env_id, mode):
+    """Side by side from the same seed: the same observations, rewards, flags, final observation and the same
+    state left in the vector env, through episode ends (CartPole terminates, Pendulum truncates at 200)."""
+    ref, lean = _vec(env_id, mode), _vec(env_id, mode)
+    assert one_env_steppable(lean)
+    ref.reset(seed=3)
+    lean.reset(seed=3)
+    rng = np.random.default_rng(0)
+    ends = 0
+    for _ in range(450):
+        a = np.asarray([ref.single_action_space.sample()]) if env_id == "CartPole-v1" else \
+            rng.uniform(-2, 2, size=(1, 1)).astype(np.float32)
+        obs, rew, term, trunc, info = ref.step(a)
+        lobs, lrew, lterm, ltrunc, final = step_one_env(lean, a[0])
+        assert np.array_equal(obs, lobs) and obs.dtype == lobs.dtype
+        assert (float(rew[0]), bool(term[0]), bool(trunc[0])) == (lrew, lterm, ltrunc)
+        if "final_obs" in info:
+            ends += 1
+            assert np.array_equal(info["final_obs"][0], final)
+            built = lean._add_info({}, {"final_obs": final}, 0)["final_obs"]
+            assert built.dtype == info["final_obs"].dtype and np.array_equal(built[0], info["final_obs"][0])
+        else:
+            assert final is None
+        for attr in ("_rewards", "_terminations", "_truncations", "_autoreset_envs", "_observations"):
+            assert np.array_equal(getattr(ref, attr), getattr(lean, attr)), attr
+        assert np.array_equal(ref._env_obs[0], lean._env_obs[0])
+    if mode == gym.vector.AutoresetMode.SAME_STEP:
+        assert ends >= 2
+    ref.close()
+    lean.close()
+
+
+def test_steppable_only_for_a_plain_one_env_sync_vector_env():
+    same = gym.vector.AutoresetMode.SAME_STEP
+    two = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync", vector_kwargs={"autoreset_mode": same})
+    assert not one_env_steppable(two)
+    two.close()
+
+    class Sub(gym.vector.SyncVectorEnv):
+        pass
+
+    sub = Sub([lambda: gym.make("CartPole-v1")])
+    assert not one_env_steppable(sub)  # a subclass may step differently
+    sub.close()
+
+
+def test_failing_env_names_env_0(tmp_path):
+    """A sub-env that raises mid-rollout ends the run with the same one-line error through the lean step."""
+    from ppokit.config import PPOConfig
+    from ppokit.envs.errors import EnvError
+    from ppokit.trainer import train
+
+    class Breaks(gym.Wrapper):
+        def __init__(self):
+            super().__init__(gym.make("Pendulum-v1"))
+            self.n = 0
+
+        def step(self, action):
+            self.n += 1
+            if self.n == 40:
+                raise RuntimeError("simulator exploded")
+            return self.env.step(action)
+
+    messages = []
+    for lean in (True, False):
+        old = Collector.one_env_path
+        Collector.one_env_path = lean
+        try:
+            with pytest.raises(EnvError) as info:
+                train(PPOConfig(num_envs=1, num_steps=64, total_timesteps=128, tensorboard=False, seed=1),
+                      run_dir=tmp_path / str(lean), console_enabled=False, env=Breaks)
+        finally:
+            Collector.one_env_path = old
+        messages.append(str(info.value).replace(str(tmp_path / str(lean)), "RUN"))
+    assert "simulator exploded" in messages[0]
+    assert messages[0] == messages[1]
+
+
+def test_acting_kernel_out_writes_the_same_bits():
+    from ppokit.acting import ActingKernel
+    from ppokit.policies import build_policy
+
+    for act_space in (gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(4)):
+        torch.manual_seed(0)
+        policy = build_policy(gym.spaces.Box(-1, 1, (5,), np.float32), act_space, (16, 16), "tanh")
+        k = ActingKernel(policy)
+        obs = torch.randn(1, 5)
+        with torch.inference_mode():
+            torch.manual_seed(1)
+            a, lp, v = (x.clone() for x in k.act(obs))
+            torch.manual_seed(1)
+            out = (torch.full_like(a, 7), torch.full_like(lp, 7), torch.full_like(v, 7))
+            k.act(obs, out=out)
+        for x, y in zip((a, lp, v), out):
+            assert torch.equal(x, y)
+
+
+def test_applies_only_to_one_cpu_box_env():
+    class Fake:
+        num_envs, masked = 1, False
+        device = torch.device("cpu")
+        obs_norm = reward_scaler = host_norm = None
+
+    from ppokit.encoders import BoxEncoder
+
+    c = Fake()
+    c.encoder, c.policy = BoxEncoder(3), type("P", (), {"kind": "continuous"})()
+    c.envs = _vec("Pendulum-v1", gym.vector.AutoresetMode.SAME_STEP)
+    assert one_env.applies(c)
+    c.obs_norm = object()  # a normalizer without host replicas: the general loop
+    assert not one_env.applies(c)
+    c.obs_norm, c.masked = None, True
+    assert not one_env.applies(c)
+    c.envs.close()
