@@ -24,6 +24,7 @@ __all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
 
 KL_ESTIMATORS = ("k1", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
+SAMPLERS = ("cached", "hf")
 _SEED_MAX = 2**32 - 1
 
 
@@ -49,6 +50,8 @@ class LMConfig:
     max_new_tokens: int = _f(16, "generation budget per completion, in tokens")
     temperature: float = _f(1.0, "sampling temperature; log-probs are those of the tempered distribution "
                             "that sampled (pure sampling: top_k = 0, top_p = 1)")
+    sampler: str = _f("cached", "generation backend: cached (ppokit's own decoding loop over the model's KV cache) "
+                      "or hf (transformers' model.generate); both sample the same distribution")
     missing_eos_penalty: float | None = _f(None, "subtracted from the score of a completion that never emitted "
                                            "the EOS token (none: no penalty), >= 0")
     # --- update ---
@@ -136,6 +139,7 @@ class LMConfig:
                  f"must be >= 0 or none (it is subtracted from the score), got {self.missing_eos_penalty!r}")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
              f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        need(self.sampler in SAMPLERS, "sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
              f"must be one of {', '.join(SCALE_REWARDS)}, got {self.scale_rewards!r}")
         need(self.loss_reduction in REDUCTION_MODES and self.loss_reduction != "mean", "loss_reduction",

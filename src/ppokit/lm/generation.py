@@ -1,5 +1,9 @@
 """Sampling completions: a small ``Generator`` interface and its Hugging Face ``generate`` backend.
 
+Two backends: ``sampling.CachedSampler`` (ppokit's own decoding loop over the model's KV cache; the default,
+``LMConfig.sampler="cached"``) and ``HFGenerator`` here (``model.generate``, ``sampler="hf"``). Both sample the same
+distribution; for one seed they draw different samples.
+
 The learner only needs response token ids; it recomputes every log-probability itself (``logprobs``), so a
 backend is free to sample any way it likes as long as it samples the *plain tempered distribution*
 ``softmax(logits / temperature)``. Anything else (top-k, top-p, a repetition penalty, a minimum length) samples
@@ -15,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Generator", "HFGenerator", "SamplingSettings"]
+__all__ = ["Generator", "HFGenerator", "SamplingSettings", "warn_ignored_generation_config"]
 
 # Settings of a model's generation config that change the sampling distribution, with their neutral values.
 _NEUTRAL = {"top_k": (0, None), "top_p": (1.0, None), "typical_p": (1.0, None), "min_p": (None, 0.0),
@@ -69,7 +73,7 @@ class HFGenerator:
                                  max_new_tokens=settings.max_new_tokens, eos_token_id=settings.eos_token_id,
                                  pad_token_id=settings.pad_token_id, num_beams=1, use_cache=True)
         own = getattr(model, "generation_config", None)
-        self._warn_overrides(model, own, settings)
+        warn_ignored_generation_config(model, settings, self._warned)
         try:
             if own is not None:
                 model.generation_config = clean
@@ -80,17 +84,21 @@ class HFGenerator:
                 model.generation_config = own
         return sequences[:, prompt_ids.shape[1]:]
 
-    def _warn_overrides(self, model: nn.Module, own, settings: SamplingSettings) -> None:
-        if own is None or id(model) in self._warned:
-            return
-        self._warned.add(id(model))
-        differs = [f"{name}={getattr(own, name)!r}" for name, neutral in _NEUTRAL.items()
-                   if getattr(own, name, None) not in neutral]
-        temperature = getattr(own, "temperature", None)
-        if temperature not in (None, 1.0) and temperature != settings.temperature:
-            differs.append(f"temperature={temperature!r}")
-        if differs:
-            warnings.warn(f"the model's generation_config sets {', '.join(differs)}; ppokit samples with "
-                          f"do_sample=True, top_k=0, top_p=1.0, temperature={settings.temperature} and nothing "
-                          "else (the log-probs of pi_old must be those of the distribution that sampled), so "
-                          "these settings are ignored during training", UserWarning, stacklevel=3)
+
+def warn_ignored_generation_config(model: nn.Module, settings: SamplingSettings, warned: set[int]) -> None:
+    """Warn once per model (``warned`` holds the ids already warned about) when its ``generation_config`` asks for
+    anything but pure sampling at ``settings.temperature``: every backend ignores it during training."""
+    own = getattr(model, "generation_config", None)
+    if own is None or id(model) in warned:
+        return
+    warned.add(id(model))
+    differs = [f"{name}={getattr(own, name)!r}" for name, neutral in _NEUTRAL.items()
+               if getattr(own, name, None) not in neutral]
+    temperature = getattr(own, "temperature", None)
+    if temperature not in (None, 1.0) and temperature != settings.temperature:
+        differs.append(f"temperature={temperature!r}")
+    if differs:
+        warnings.warn(f"the model's generation_config sets {', '.join(differs)}; ppokit samples with "
+                      f"do_sample=True, top_k=0, top_p=1.0, temperature={settings.temperature} and nothing "
+                      "else (the log-probs of pi_old must be those of the distribution that sampled), so "
+                      "these settings are ignored during training", UserWarning, stacklevel=3)
