@@ -28,7 +28,7 @@ from ..advantages import SPREAD_ULPS
 from ..epochs import UpdateSettings, ppo_epochs
 from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate
 from ..reductions import reduce
-from .base import LMTrainer
+from .base import LMTrainer, adamw
 from .config import ConfigError, LMConfig
 from .logprobs import kl_per_token, token_logprobs
 from .rollout import TokenBatch
@@ -80,28 +80,29 @@ class GRPOTrainer(LMTrainer):
         super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
         self.overwrite = overwrite
         cfg = self.config
-        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(self.trainable_parameters(), cfg.learning_rate, cfg.weight_decay)
 
     def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
                                            with_entropy=True)
         logp_new = torch.where(mask, logp_new, mb.logp_old)  # padding: ratio 1, no gradient
-        per_token = -clipped_surrogate(logp_new, mb.logp_old, mb.advantages, cfg.clip_coef)
+        surrogate = clipped_surrogate(logp_new, mb.logp_old, mb.advantages, cfg.clip_coef)
+        per_token = -surrogate
         stats: dict[str, Tensor] = {}
         if mb.logp_ref is not None and cfg.beta > 0:
             kl_ref = torch.where(mask, kl_per_token(logp_new, mb.logp_ref, "k3"), 0.0)
             per_token = per_token + cfg.beta * kl_ref
             stats["kl_ref_token"] = reduce(kl_ref.detach(), mask, "token_mean")
-        loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
-        loss = reduce(per_token, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens) + cfg.ent_coef * loss_entropy
+        loss = reduce(per_token, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
+        if cfg.ent_coef > 0:  # at 0 the entropy stays out of the graph: the backward skips it (same gradient)
+            loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
+            loss = loss + cfg.ent_coef * loss_entropy
         with torch.no_grad():
             lp = logp_new.detach()
             zero = torch.zeros((), device=lp.device)
             stats.update({
-                "policy_loss": -reduce(clipped_surrogate(lp, mb.logp_old, mb.advantages, cfg.clip_coef), mask,
-                                       cfg.loss_reduction, normalizer=cfg.max_new_tokens),
+                "policy_loss": -reduce(surrogate.detach(), mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens),
                 "value_loss": zero, "entropy": reduce(entropy.detach(), mask, "token_mean"),
                 "approx_kl": approx_kl_k3(lp, mb.logp_old, mask, "token_mean"),
                 "approx_kl_k1": approx_kl_k1(lp, mb.logp_old, mask, "token_mean"),

@@ -32,7 +32,7 @@ from ..advantages import gae, normalize
 from ..epochs import UpdateSettings, ppo_epochs
 from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate, explained_variance, value_loss
 from ..reductions import reduce
-from .base import LMTrainer, masked_stats
+from .base import LMTrainer, adamw, masked_stats
 from .logprobs import kl_per_token, position_ids, token_logprobs
 from .rollout import TokenBatch, place_scores
 from .step import TokenStep
@@ -125,7 +125,7 @@ class PPOTrainer(LMTrainer):
         self.kl_coef = float(cfg.kl_coef)
         params = [{"params": self.trainable_parameters()},
                   {"params": [p for p in self.value_model.parameters() if p.requires_grad]}]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(params, cfg.learning_rate, cfg.weight_decay)
 
     # ---------------------------------------------------------------- state
     def _extra_state(self) -> dict[str, Any]:
@@ -166,8 +166,10 @@ class PPOTrainer(LMTrainer):
         surrogate = clipped_surrogate(logp_new, mb.logp_old, mb.advantages, cfg.clip_coef)
         loss_policy = -reduce(surrogate, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
         loss_value = value_loss(values, mb.returns, mb.values, cfg.cliprange_value, mask=mask, mode="token_mean")
-        loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
-        loss = loss_policy + cfg.vf_coef * loss_value + cfg.ent_coef * loss_entropy
+        loss = loss_policy + cfg.vf_coef * loss_value
+        if cfg.ent_coef > 0:  # at 0 the entropy stays out of the graph: the backward skips it (same gradient)
+            loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
+            loss = loss + cfg.ent_coef * loss_entropy
         with torch.no_grad():
             lp = logp_new.detach()
             stats = {"policy_loss": loss_policy.detach(), "value_loss": loss_value.detach(),
