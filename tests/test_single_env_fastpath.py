@@ -192,3 +192,37 @@ def test_applies_only_to_one_cpu_box_env():
     c.obs_norm, c.masked = None, True
     assert not one_env.applies(c)
     c.envs.close()
+
+
+def _torch_recursion(deltas, decay):
+    """The torch loop ``advantages._recursion`` runs on other devices (the reference of its numpy path)."""
+    out = torch.empty_like(deltas)
+    last = torch.zeros_like(deltas[0])
+    for t in range(deltas.shape[0] - 1, -1, -1):
+        last = deltas[t] + decay[t] * last
+        out[t] = last
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_host_gae_recursion_is_the_torch_loop_bit_for_bit(n, dtype):
+    from ppokit.advantages import _recursion, gae
+
+    g = torch.Generator().manual_seed(n)
+    T = 300
+    deltas = (torch.randn(T, n, generator=g, dtype=dtype) * 10.0 ** torch.randint(-6, 6, (T, n), generator=g))
+    decay = 0.99 * 0.95 * (torch.rand(T, n, generator=g) > 0.05).to(dtype)
+    deltas[7, 0], deltas[9, -1] = float("nan"), float("inf")  # non-finite values propagate as in torch
+    got, want = _recursion(deltas, decay), _torch_recursion(deltas, decay)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.int64 if dtype == torch.float64 else torch.int32),
+                       want.view(torch.int64 if dtype == torch.float64 else torch.int32))
+    # Through gae() as the trainer calls it (inference mode), against its terms computed by hand.
+    r, v, nv = (torch.randn(T, n, generator=g, dtype=dtype) for _ in range(3))
+    term, trunc = torch.rand(T, n, generator=g) < 0.03, torch.rand(T, n, generator=g) < 0.03
+    with torch.inference_mode():
+        adv, ret = gae(r, v, nv, term, trunc, 0.99, 0.95)
+    d = r + 0.99 * (1.0 - term.to(dtype)) * nv - v
+    ref = _torch_recursion(d, (0.99 * 0.95) * (1.0 - (term | trunc).to(dtype)))
+    assert torch.equal(adv, ref) and torch.equal(ret, ref + v)

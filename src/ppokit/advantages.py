@@ -11,6 +11,7 @@ lengths): a zero entry is padding, it gets exactly 0 out and none of its values 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -62,12 +63,44 @@ def gae(
 
 def _recursion(deltas: Tensor, decay: Tensor) -> Tensor:
     """``A_t = delta_t + decay_t * A_{t+1}`` with ``A_T = 0``, one reverse loop over T (``[T, N]`` -> ``[T, N]``)."""
+    if (deltas.device.type == "cpu" and decay.device.type == "cpu" and deltas.dtype == decay.dtype
+            and deltas.dtype in _HOST_DTYPES and not (deltas.requires_grad or decay.requires_grad)):
+        return _host_recursion(deltas, decay)
     advantages = torch.empty_like(deltas)
     last = torch.zeros_like(deltas[0])
     for t in range(deltas.shape[0] - 1, -1, -1):
         last = deltas[t] + decay[t] * last
         advantages[t] = last
     return advantages
+
+
+_HOST_DTYPES = (torch.float32, torch.float64)
+
+
+def _host_recursion(deltas: Tensor, decay: Tensor) -> Tensor:
+    """``_recursion`` in numpy, for CPU tensors: the same two IEEE-754 operations per element in the same dtype and
+    order (a multiply, then an add, each rounded; torch's elementwise kernels fuse nothing across ops), so the same
+    bits, at a fraction of the per-step dispatch cost of T tensor ops on ``[N]`` rows (with one env, a rollout of
+    2048 steps spent ~10 ms here). One env runs on numpy scalars of the tensors' dtype (each op ~0.1 us)."""
+    d, k = deltas.detach().numpy(), decay.detach().numpy()
+    out = np.empty(d.shape, dtype=d.dtype)
+    with np.errstate(all="ignore"):  # NaN/Inf propagate silently, as in torch
+        _host_loop(d, k, out)
+    return torch.from_numpy(out)
+
+
+def _host_loop(d: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
+    if d.shape[1] == 1:
+        col_d, col_k, col_out = d[:, 0], k[:, 0], out[:, 0]
+        last = d.dtype.type(0.0)
+        for t in range(d.shape[0] - 1, -1, -1):
+            last = col_d[t] + col_k[t] * last
+            col_out[t] = last
+    else:
+        last = np.zeros(d.shape[1], dtype=d.dtype)
+        for t in range(d.shape[0] - 1, -1, -1):
+            last = d[t] + k[t] * last
+            out[t] = last
 
 
 def _masked_gae(rewards: Tensor, values: Tensor, next_values: Tensor, terminated: Tensor, truncated: Tensor,
