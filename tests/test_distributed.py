@@ -375,6 +375,17 @@ for kind in ("grpo", "ppo", "dpo"):  # one launch, three trainers in turn
         rows.append(row)
     t.close()
     out[kind] = rows
+    if kind == "grpo":  # rank 0 saves, every rank resumes: the same weights, each rank its own sampling stream
+        t.save(os.path.join(sys.argv[1], "saved"))
+        dist.barrier()
+        start, _ = build_tiny("ABX:", pad_is_eos=True, seed=0)  # the run's starting model (rank 0's)
+        r = GRPOTrainer.resume(os.path.join(sys.argv[1], "saved"), start, tok, reward=reward,
+                               prompts=["X:", "AB:", "BXAX:", "A:"])
+        r.step()
+        h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in start.parameters())).hexdigest()
+        row = [None] * dist.get_world_size()
+        dist.all_gather_object(row, (h, hashlib.sha256(r._sample_state.numpy().tobytes()).hexdigest()))
+        out["grpo_resumed"] = [row]
 if dist.get_rank() == 0:
     json.dump(out, open(sys.argv[2], "w"))
 '''
@@ -396,6 +407,8 @@ def test_two_rank_lm_trainers_keep_the_ranks_identical_after_every_update(tmp_pa
     proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
     _ok(proc)
     out = json.loads((tmp_path / "rows.json").read_text())
+    (weights0, stream0), (weights1, stream1) = out.pop("grpo_resumed")[0]
+    assert weights0 == weights1 and stream0 != stream1  # resumed: one set of weights, two sampling streams
     for kind, rows in out.items():
         assert len(rows) == 3, kind
         assert all(r[0][0] == r[1][0] for r in rows), (kind, rows)  # same weights on both ranks

@@ -378,6 +378,12 @@ class LMTrainer:
         trainer._sample_state = state["sample_rng"].clone()
         if state.get("cuda_sample_rng") is not None:
             trainer._cuda_sample_state = state["cuda_sample_rng"].clone()
+        if not trainer.dist.is_main:
+            # Data-parallel: the file holds rank 0's sampling stream; this rank draws its own again (fresh for
+            # this iteration), or both would sample their prompts with the same noise.
+            seed = (trainer.dist.seed(config.seed) * 1_000_003 + trainer.iteration) % 2 ** 63
+            trainer._sample_state = torch.Generator().manual_seed(seed).get_state()
+            trainer._cuda_sample_state = None
         trainer._shuffle.set_state(state["shuffle_rng"])
         if trainer.prompts is not None and state.get("prompts") is not None:
             trainer.prompts.load_state(state["prompts"])
