@@ -23,7 +23,8 @@ import torch  # noqa: E402
 from ppokit.config import ConfigError  # noqa: E402
 from ppokit.lm import GRPOTrainer, LMConfig  # noqa: E402
 from ppokit.lm.generation import HFGenerator, SamplingSettings  # noqa: E402
-from ppokit.lm.logprobs import response_mask, token_logprobs  # noqa: E402
+from ppokit.lm.fast_gpt2 import gpt2_decoder  # noqa: E402
+from ppokit.lm.logprobs import position_ids, response_mask, token_logprobs  # noqa: E402
 from ppokit.lm.rollout import encode_prompts  # noqa: E402
 from ppokit.lm.sampling import CachedSampler  # noqa: E402
 from ppokit.lm.tiny import build_tiny  # noqa: E402
@@ -68,17 +69,24 @@ def _next_token_probs(model, tok, text: str, temperature: float) -> torch.Tensor
     return torch.softmax(logits / temperature, -1)
 
 
-BACKENDS = [CachedSampler, HFGenerator]
+def _generic():
+    return CachedSampler(fast=False)
+
+
+# The cached sampler on the tiny GPT-2 takes the lean GPT-2 step (fast_gpt2); fast=False goes through the model's
+# own forward and cache (what any other causal LM gets); HFGenerator is transformers' generate.
+BACKENDS = [CachedSampler, _generic, HFGenerator]
 
 
 # ---------------------------------------------------------------- log-probs of the sampled tokens
-def test_cached_sampler_logprobs_equal_recomputed_ones_with_left_padding_alone_and_in_a_batch(model, tok):
+@pytest.mark.parametrize("fast", [True, False])
+def test_cached_sampler_logprobs_equal_recomputed_ones_with_left_padding_alone_and_in_a_batch(fast, model, tok):
     torch.manual_seed(0)
     settings = SamplingSettings(6, 0.7, tok.eos_token_id, tok.pad_token_id)
     prompts = ["X:", "ABXBA:", "B:", "AX:"] * 4
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, tok.pad_token_id, CPU)
     assert (prompt_mask == 0).any()  # the batch really is left-padded
-    response, gen_logp = CachedSampler().sample(model, prompt_ids, prompt_mask, settings)
+    response, gen_logp = CachedSampler(fast=fast).sample(model, prompt_ids, prompt_mask, settings)
     R = response.shape[1]
     mask = response_mask(response, tok.eos_token_id)
     ids = torch.cat([prompt_ids, torch.where(mask, response, tok.pad_token_id)], 1)
@@ -138,16 +146,39 @@ def test_two_token_frequencies_of_a_left_padded_row_follow_the_model(backend, mo
 
 
 # ---------------------------------------------------------------- stopping, padding, agreement
-def test_with_a_near_greedy_temperature_both_backends_return_the_same_ids(model, tok):
+def test_with_a_near_greedy_temperature_the_backends_return_the_same_ids(model, tok):
     prompts = ["X:", "ABXBA:", "B:", "AXXB:"]
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, tok.pad_token_id, CPU)
     settings = SamplingSettings(8, 1e-4, tok.eos_token_id, tok.pad_token_id)
-    torch.manual_seed(3)
-    ours = CachedSampler().generate(model, prompt_ids, prompt_mask, settings)
-    torch.manual_seed(4)
-    theirs = HFGenerator().generate(model, prompt_ids, prompt_mask, settings)
-    assert torch.equal(ours, theirs)
-    assert torch.equal(response_mask(ours, tok.eos_token_id), response_mask(theirs, tok.eos_token_id))
+    outs = []
+    for seed, backend in enumerate(BACKENDS):
+        torch.manual_seed(seed)
+        outs.append(backend().generate(model, prompt_ids, prompt_mask, settings))
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other)
+        assert torch.equal(response_mask(outs[0], tok.eos_token_id), response_mask(other, tok.eos_token_id))
+
+
+def test_the_lean_gpt2_step_matches_the_models_forward_and_is_refused_when_it_would_not(model, tok):
+    prompt_ids, prompt_mask = encode_prompts(tok, ["X:", "ABXBA:"], tok.pad_token_id, CPU)
+    positions = position_ids(prompt_mask)
+    with torch.no_grad():
+        decoder, logits = gpt2_decoder(model, prompt_ids, prompt_mask, positions, capacity=prompt_ids.shape[1] + 2)
+        # One more token through the preallocated cache against the model's forward over the whole sequence.
+        token = torch.tensor([3, 4])
+        mask = torch.cat([prompt_mask, torch.ones(2, 1, dtype=torch.long)], 1)
+        step = decoder.forward(token[:, None], prompt_mask.sum(-1, keepdim=True), mask.bool()[:, None, None, :])
+        full = model(input_ids=torch.cat([prompt_ids, token[:, None]], 1), attention_mask=mask,
+                     position_ids=position_ids(mask)).logits
+        assert (logits - full[:, -2]).abs().max() < 1e-5 and (step - full[:, -1]).abs().max() < 1e-5
+        # A model that computes something else than plain GPT-2 is left to its own forward.
+        odd = copy.deepcopy(model)
+        plain = odd.forward
+        odd.forward = lambda **kw: SimpleNamespace(logits=plain(**kw).logits + 1e-2 * torch.arange(float(model.config.vocab_size)))
+        assert gpt2_decoder(odd, prompt_ids, prompt_mask, positions, capacity=8) is None
+        odd = copy.deepcopy(model)
+        odd.config.reorder_and_upcast_attn = True
+        assert gpt2_decoder(odd, prompt_ids, prompt_mask, positions, capacity=8) is None
 
 
 class Countdown(torch.nn.Module):

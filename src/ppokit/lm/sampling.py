@@ -28,6 +28,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
+from .fast_gpt2 import gpt2_decoder
 from .generation import SamplingSettings, warn_ignored_generation_config
 from .logprobs import position_ids
 
@@ -58,8 +59,9 @@ class CachedSampler:
     distribution that drew them (0 after a row's EOS), for checking a backend against the learner's recomputation.
     """
 
-    def __init__(self):
+    def __init__(self, fast: bool = True):
         self._warned: set[int] = set()
+        self.fast = fast  # the lean GPT-2 step (``fast_gpt2``) where it applies; False: always the model's forward
 
     def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
                  settings: SamplingSettings) -> Tensor:
@@ -68,6 +70,33 @@ class CachedSampler:
     def sample(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
                settings: SamplingSettings) -> tuple[Tensor, Tensor]:
         return self._decode(model, prompt_ids, prompt_mask, settings, with_logprobs=True)
+
+    @staticmethod
+    def _generic(model: nn.Module, prompt_ids: Tensor, attention: Tensor, first_positions: Tensor,
+                 next_position: Tensor, P: int):
+        """Prefill and steps through the model's own ``forward`` and its KV cache: ``(logits [B, V], advance)``."""
+        cache_kw = _cache_kwarg(model)
+        state = {"cache": None}
+
+        def forward(inputs: Tensor, positions: Tensor, width: int) -> Tensor:
+            kwargs = {"input_ids": inputs, "attention_mask": attention[:, :width], "position_ids": positions,
+                      "use_cache": True}
+            if state["cache"] is not None:
+                kwargs[cache_kw] = state["cache"]
+            try:
+                result = model(**kwargs, logits_to_keep=1)
+            except TypeError:  # a model without logits_to_keep
+                result = model(**kwargs)
+            state["cache"] = _returned_cache(result)
+            return (result.logits if hasattr(result, "logits") else result[0])[:, -1]
+
+        def advance(token: Tensor, t: int) -> Tensor:
+            if state["cache"] is None:
+                raise RuntimeError("CachedSampler: the model returned no KV cache for use_cache=True; sample with "
+                                   "sampler='hf' instead")
+            return forward(token[:, None], next_position + t, P + t + 1)
+
+        return forward(prompt_ids, first_positions, P), advance
 
     @torch.no_grad()
     def _decode(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, settings: SamplingSettings,
@@ -85,19 +114,19 @@ class CachedSampler:
         attention = torch.cat([prompt_mask, torch.ones((B, N), dtype=torch.long, device=device)], 1)
         next_position = prompt_mask.sum(-1, keepdim=True)  # [B, 1]: the first response token's position
         done = torch.zeros(B, dtype=torch.bool, device=device)
-        cache_kw = _cache_kwarg(model)
-        inputs, positions, cache, steps = prompt_ids, position_ids(prompt_mask), None, 0
+        first_positions = position_ids(prompt_mask)
+        fast = gpt2_decoder(model, prompt_ids, prompt_mask, first_positions, P + N) if self.fast else None
+        if fast is not None:
+            decoder, logits = fast
+
+            def advance(token: Tensor, t: int) -> Tensor:
+                visible = attention[:, None, None, :P + t + 1].bool()
+                return decoder.forward(token[:, None], next_position + t, visible)
+        else:
+            logits, advance = self._generic(model, prompt_ids, attention, first_positions, next_position, P)
+        steps = 0
         for t in range(N):
-            kwargs = {"input_ids": inputs, "attention_mask": attention[:, :P + t], "position_ids": positions,
-                      "use_cache": True}
-            if cache is not None:
-                kwargs[cache_kw] = cache
-            try:
-                result = model(**kwargs, logits_to_keep=1)
-            except TypeError:  # a model without logits_to_keep
-                result = model(**kwargs)
-            cache = _returned_cache(result)
-            logits = (result.logits if hasattr(result, "logits") else result[0])[:, -1].float()
+            logits = logits.float()
             if settings.temperature != 1.0:
                 logits = logits / settings.temperature
             probs = torch.softmax(logits, -1)
@@ -111,8 +140,5 @@ class CachedSampler:
             steps = t + 1
             if steps == N or bool(done.all()):  # every row has ended (one host read per step, as generate's)
                 break
-            if cache is None:
-                raise RuntimeError("CachedSampler: the model returned no KV cache for use_cache=True; sample with "
-                                   "sampler='hf' instead")
-            inputs, positions = token[:, None], next_position + t
+            logits = advance(token, t)
         return out[:, :steps], (None if logp_out is None else logp_out[:, :steps])
