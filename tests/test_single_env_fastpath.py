@@ -10,7 +10,9 @@ normalization) and InvertedPendulum-v5 where MuJoCo is installed. The lean env s
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import io
 from pathlib import Path
 
 import gymnasium as gym
@@ -28,7 +30,7 @@ make_golden = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_golden)
 
 
-def _run(tmp_path: Path, name: str, lean: bool, **overrides) -> tuple[str, str, bool]:
+def _run(tmp_path: Path, name: str, lean: bool, env=None, **overrides) -> tuple[str, str, bool]:
     from ppokit.config import PPOConfig
     from ppokit.trainer import Trainer
 
@@ -37,7 +39,7 @@ def _run(tmp_path: Path, name: str, lean: bool, **overrides) -> tuple[str, str, 
     old = Collector.one_env_path
     Collector.one_env_path = lean
     try:
-        trainer = Trainer(PPOConfig(**kw), run_dir=tmp_path / f"{name}-{lean}", console_enabled=False)
+        trainer = Trainer(PPOConfig(**kw), run_dir=tmp_path / f"{name}-{lean}", console_enabled=False, env=env)
         took = trainer.collector._one_env
         run = trainer.run()
     finally:
@@ -70,6 +72,37 @@ def test_one_env_mujoco_run_matches_general_loop(tmp_path):
     ref = _run(tmp_path, "ip", False, **cfg)
     assert lean[2] and not ref[2]
     assert lean[:2] == ref[:2]
+
+
+class _Hostile(gym.Wrapper):
+    """Pendulum that now and then returns a NaN or Inf observation value, an Inf reward or a None reward."""
+
+    def __init__(self):
+        super().__init__(gym.make("Pendulum-v1"))
+        self.n = 0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.n += 1
+        if self.n % 23 == 0:
+            obs = obs.copy()
+            obs[1] = np.nan if self.n % 2 else np.inf
+        if self.n % 31 == 0:
+            reward = float("inf")
+        if self.n % 37 == 0:
+            reward = None
+        return obs, reward, terminated, truncated, info
+
+
+def test_one_env_nonfinite_steps_match_general_loop(tmp_path):
+    """NaN/Inf observations and rewards (and a None reward) are counted, zeroed and left out the same way."""
+    cfg = dict(normalize_obs=True, normalize_reward=True, fused_update=True)
+    lean = _run(tmp_path, "hostile", True, env=_Hostile, **cfg)
+    ref = _run(tmp_path, "hostile", False, env=_Hostile, **cfg)
+    assert lean[2] and not ref[2]
+    assert lean[:2] == ref[:2]
+    rows = list(csv.DictReader(io.StringIO(lean[0])))
+    assert sum(float(r["diag/nonfinite_env"]) for r in rows) >= 10  # the hostile steps were met
 
 
 def _vec(env_id: str, mode):
@@ -226,3 +259,41 @@ def test_host_gae_recursion_is_the_torch_loop_bit_for_bit(n, dtype):
     d = r + 0.99 * (1.0 - term.to(dtype)) * nv - v
     ref = _torch_recursion(d, (0.99 * 0.95) * (1.0 - (term | trunc).to(dtype)))
     assert torch.equal(adv, ref) and torch.equal(ret, ref + v)
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+def test_one_env_next_step_collector_matches_general_loop(env_id):
+    """A NEXT_STEP vector env (the reset step is no transition): the same buffer, episodes and loop state."""
+    from ppokit.normalize import ObsNormalizer, RewardScaler
+    from ppokit.policies import build_policy
+
+    results = []
+    for lean in (True, False):
+        envs = _vec(env_id, gym.vector.AutoresetMode.NEXT_STEP)
+        torch.manual_seed(0)
+        policy = build_policy(envs.single_observation_space, envs.single_action_space, (8,), "tanh")
+        on = ObsNormalizer(policy.obs_dim)
+        old = Collector.one_env_path
+        Collector.one_env_path = lean
+        try:
+            c = Collector(envs, policy, policy, num_steps=300, device=torch.device("cpu"), env_id=env_id,
+                          obs_norm=on, reward_scaler=RewardScaler(1, 0.99), perf={"env": 0.0, "inference": 0.0},
+                          fail=lambda *a, **k: RuntimeError(a))
+        finally:
+            Collector.one_env_path = old
+        assert c._one_env == lean
+        c.reset(seed=4)
+        out = [c.collect(0) for _ in range(2)]
+        b = c.buffer
+        results.append((out, [t.clone() for t in (b.obs, b.actions, b.logp, b.values, b.rewards, b.terminated,
+                                                  b.truncated, b.valid, b.final_values, b.has_final)],
+                        c.next_obs_raw.copy(), c.ep_return.copy(), c.ep_length.copy(), c.prev_done.copy(),
+                        c.last_obs.clone(), on.rms.mean.clone()))
+        envs.close()
+    (out_a, bufs_a, *rest_a), (out_b, bufs_b, *rest_b) = results
+    assert out_a == out_b and len(out_a[1][0]) > 0
+    assert not bool(bufs_a[7].all())  # NEXT_STEP reset steps were met (not transitions)
+    for x, y in zip(bufs_a, bufs_b):
+        assert torch.equal(x, y)
+    for x, y in zip(rest_a, rest_b):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
