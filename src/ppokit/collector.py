@@ -13,7 +13,8 @@ the update, the logger or checkpoints. What it handles:
   ``info["action_mask"]`` (Gymnasium's Taxi convention; a vector env batches it, ``info["_action_mask"]`` flags
   the envs that sent one) or else from each sub-env's ``action_masks()`` method (SB3-contrib's convention), acted
   on and stored in the buffer; an env without masks stores and computes nothing more;
-* every second of the rollout booked to ``perf``: acting to "inference", stepping and result handling to "env".
+* every second of the rollout booked to ``perf``: acting to "inference", stepping and result handling to "env";
+* one in-process env on the CPU (MuJoCo's setting): the same loop on scalars, ``one_env.py``, bit for bit.
 
 An env failure ends the run: ``fail(step, rollout_start, exc, detail)`` (the trainer's, which saves the learner
 state first) builds the ``EnvError`` that is raised.
