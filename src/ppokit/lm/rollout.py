@@ -75,11 +75,9 @@ def encode_prompts(tokenizer: Any, prompts: list[str], pad_id: int, device: torc
             raise ValueError(f"prompt {i} ({prompts[i]!r}) tokenizes to no tokens; the first response token needs "
                              "a prompt token to condition on")
     P = max(len(r) for r in ids)
-    prompt_ids = torch.full((len(ids), P), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(ids), P), dtype=torch.long)
-    for i, row in enumerate(ids):
-        prompt_ids[i, P - len(row):] = torch.tensor(row, dtype=torch.long)
-        prompt_mask[i, P - len(row):] = 1
+    # Padded as Python lists, then one tensor each (not two tensor writes per row).
+    prompt_ids = torch.tensor([[pad_id] * (P - len(row)) + row for row in ids], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(row)) + [1] * len(row) for row in ids], dtype=torch.long)
     return prompt_ids.to(device), prompt_mask.to(device)
 
 
@@ -135,7 +133,7 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
     values = None if value_fn is None else value_fn(input_ids, attention_mask, R)
     # 5. Scores from the decoded text (EOS excluded from the text and the ids the reward sees).
     lengths = mask.long().sum(-1) - has_eos.long()
-    completion_ids = [response_ids[b, : int(lengths[b])].tolist() for b in range(len(prompts))]
+    completion_ids = [row[:n] for row, n in zip(response_ids.tolist(), lengths.tolist())]  # one host read
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     raw = torch.zeros(len(prompts))
     if reward is not None:
