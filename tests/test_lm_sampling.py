@@ -167,7 +167,7 @@ def test_the_lean_gpt2_step_matches_the_models_forward_and_is_refused_when_it_wo
         # One more token through the preallocated cache against the model's forward over the whole sequence.
         token = torch.tensor([3, 4])
         mask = torch.cat([prompt_mask, torch.ones(2, 1, dtype=torch.long)], 1)
-        step = decoder.forward(token[:, None], prompt_mask.sum(-1, keepdim=True), mask.bool()[:, None, None, :])
+        step = decoder.step(token, prompt_mask.sum(-1), mask.bool()[:, None, None, :])
         full = model(input_ids=torch.cat([prompt_ids, token[:, None]], 1), attention_mask=mask,
                      position_ids=position_ids(mask)).logits
         assert (logits - full[:, -2]).abs().max() < 1e-5 and (step - full[:, -1]).abs().max() < 1e-5
@@ -251,3 +251,26 @@ def test_the_trainers_sample_with_the_cached_sampler_unless_told_hf(base):
     assert t.step()  # trains with it
     with pytest.raises(ConfigError, match="sampler"):
         LMConfig(sampler="vllm").validate()
+
+
+# ---------------------------------------------------------------- fused activations
+def test_fused_activations_compute_the_models_gelu_and_are_applied_unless_turned_off(base, tok):
+    from ppokit.lm.kernels import FusedTanhGELU, fuse_activations
+
+    plain = copy.deepcopy(base[0]).eval()
+    fused = copy.deepcopy(base[0]).eval()
+    assert fuse_activations(fused) == plain.config.n_layer
+    ids = torch.randint(3, plain.config.vocab_size, (4, 9))
+    with torch.no_grad():
+        assert (fused(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max() < 1e-5
+    reward = lambda prompts, completions: [0.0] * len(completions)  # noqa: E731
+    small = dict(batch_prompts=1, group_size=2, max_new_tokens=3)
+
+    def acts(m):
+        return {type(x).__name__ for x in m.modules() if "GELU" in type(x).__name__}
+
+    t = GRPOTrainer(copy.deepcopy(base[0]), tok, reward=reward, prompts=["X:"], config=LMConfig(**small))
+    assert acts(t.policy) == acts(t.ref_model) == {FusedTanhGELU.__name__}
+    t = GRPOTrainer(copy.deepcopy(base[0]), tok, reward=reward, prompts=["X:"],
+                    config=LMConfig(fused_activations=False, **small))
+    assert acts(t.policy) == {"NewGELUActivation"}

@@ -33,6 +33,7 @@ from ..policies import frozen_copy
 from .alerts import LMAlerts
 from .config import LMConfig
 from .generation import HFGenerator, SamplingSettings
+from .kernels import fuse_activations
 from .logprobs import token_logprobs
 from .prompts import PromptSource
 from .rewards import make_reward
@@ -104,6 +105,8 @@ class LMTrainer:
         self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad)
         self.policy = model.to(self.device)
         disable_dropout(self.policy)
+        if cfg.fused_activations:  # before pi_ref and the value model are copied from it
+            fuse_activations(self.policy)
         self.dist.prepare(self.policy, None, [])  # every rank starts from rank 0's weights (pi_ref included)
         if cfg.gradient_checkpointing:
             # transformers 5 renamed it (the old name warns that it goes in v6).
@@ -141,6 +144,8 @@ class LMTrainer:
             self.ref_model = ref_model.to(self.device)
             self.ref_model.requires_grad_(False).eval()
             disable_dropout(self.ref_model)
+            if self.config.fused_activations:
+                fuse_activations(self.ref_model)
         elif is_peft_model(self.policy):
             self._adapter_ref = True  # the base model with the adapter disabled: no second copy
         else:

@@ -86,6 +86,8 @@ class LMConfig:
     scale_rewards: str = _f("group", "GRPO: advantage (r - group mean) divided by the group's std (group), the "
                             "batch's std (batch) or not at all (none)")
     adv_eps: float = _f(1e-4, "GRPO: eps in (r - mean) / (std + eps), > 0")
+    fused_activations: bool = _f(True, "run the model's tanh-GELU (transformers' NewGELUActivation, gelu_new) as "
+                                 "torch's one fused kernel: the same function to rounding (ppokit.lm.kernels)")
     # --- memory ---
     offload_rollout: bool = _f(False, "keep rollout tensors (log-probs, masks, values) in CPU memory and move them "
                                "to the device per minibatch")

@@ -33,6 +33,7 @@ from ..epochs import UpdateSettings, ppo_epochs
 from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate, explained_variance, value_loss
 from ..reductions import reduce
 from .base import LMTrainer, adamw, masked_stats
+from .kernels import fuse_activations
 from .logprobs import kl_per_token, position_ids, token_logprobs
 from .rollout import TokenBatch, place_scores
 from .step import TokenStep
@@ -120,6 +121,8 @@ class PPOTrainer(LMTrainer):
         from .base import disable_dropout
 
         disable_dropout(self.value_model)
+        if cfg.fused_activations:
+            fuse_activations(self.value_model)
         self.value_model.eval()
         self.dist.prepare(self.value_model, None, [])  # data-parallel: rank 0's value head everywhere
         self.kl_coef = float(cfg.kl_coef)
