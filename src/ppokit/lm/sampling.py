@@ -121,7 +121,7 @@ class CachedSampler:
 
             def advance(token: Tensor, t: int) -> Tensor:
                 visible = attention[:, None, None, :P + t + 1].bool()
-                return decoder.forward(token[:, None], next_position + t, visible)
+                return decoder.step(token, next_position[:, 0] + t, visible)
         else:
             logits, advance = self._generic(model, prompt_ids, attention, first_positions, next_position, P)
         steps = 0
