@@ -6,8 +6,8 @@ rollout of 2048 steps, of the same vector env stepped with a fixed action, of it
 stepped alone, and of acting on one row; the minimum over ``--reps`` repetitions. The paths: "host normalizers" is
 the default (the one-env loop of ``one_env.py`` with the host normalizers); "general loop" switches the one-env
 loop off (``Collector.one_env_path``), keeping the host normalizers; "torch normalizers" also switches those off
-(``hostnorm``), so they run on one-row tensors as with several envs. All compute the same bits (``tests/test_single_env_fastpath.py``,
-``tests/test_hostnorm.py``). "beyond the env" is the rollout minus the sub-env's own step.
+(``hostnorm``), so they run on one-row tensors as with several envs. All compute the same bits
+(``tests/test_single_env_fastpath.py``, ``tests/test_hostnorm.py``). "beyond the env" is the rollout minus the sub-env's own step.
 
     python benchmarks/bench_step_overhead.py [--env Hopper-v5] [--reps 4] [--smoke]
 """
