@@ -22,6 +22,12 @@ iterations (256 samples by the same sampler for both: ``demo.evaluate``). ppokit
 (rollout vs update, its ``perf/time_*`` columns) is printed beside it. The order of the two libraries alternates
 between seeds, so neither always runs first on a warmer (or busier) machine.
 
+Each library runs with its own defaults beyond these settings. ppokit's: its own sampling loop over the KV cache
+(``LMConfig.sampler="cached"``, with a lean GPT-2 step), the model's tanh-GELU run as torch's fused kernel
+(``fused_activations``; the same function to rounding) and fused AdamW; every forward and backward the two do
+is the same list (generation, pi_old and pi_ref log-probs, four minibatch steps). ``sampler="hf"`` and
+``fused_activations=False`` give ppokit's earlier path for an ablation.
+
 TRL 1.16 ships no PPO trainer any more (neither ``trl`` nor ``trl.experimental`` has one), so PPO is not compared.
 
 Two model sizes: ``tiny`` (2 layers, 64 wide, ~0.1M parameters; per-call overheads of generation, the forwards and

@@ -3,13 +3,15 @@
 Why: on a small GPT-2 a decoding step through the model's own ``forward`` spends most of its time in per-call
 machinery (mask building, cache objects, output dataclasses, hooks), not in arithmetic (measured on the demo's 2x64
 GPT-2, 64 rows, one thread: ~1 ms a step, of which ~0.3 ms are tensor ops). This module runs the same blocks with
-the model's own submodules (``ln_1``, ``c_attn``, ``c_proj``, ``ln_2``, the whole ``mlp`` with its activation,
-``ln_f``, ``lm_head``: every weight and every nonlinearity is the model's) and does only the attention and the KV
-cache itself: keys and values go into a preallocated ``[B, H, P + N, D]`` buffer per layer, and attention is
+the model's own submodules and weights (``ln_1``, ``c_attn``, ``c_proj``, ``ln_2``, the ``mlp`` with its own
+activation module, ``ln_f``, ``lm_head``; the prefill calls the modules, a decoding ``step`` reads their weights
+into ``addmm``/``layer_norm`` on ``[B, d]`` rows) and does only the attention and the KV cache itself: keys and
+values go into a preallocated ``[B, H, P + N, D]`` buffer per layer, and attention is
 ``scaled_dot_product_attention`` with the model's ``scaling`` and a boolean mask (a key is visible when it is a real
 token at or before the query; a left-padding query sees only itself, so no row of the softmax is empty).
 
-Only the plain architecture is taken (self-attention only, no ``reorder_and_upcast_attn``, dropout inactive), and a
+Only the plain architecture is taken (self-attention only, no ``reorder_and_upcast_attn``, eval mode, plain
+``Conv1D``/``LayerNorm``/``Linear`` modules without hooks, so a LoRA-wrapped or instrumented model is not), and a
 model is checked once against its own ``forward`` on the prompts it is first asked to extend (the last position's
 logits must agree within 1e-4); anything else decodes through the model's ``forward`` (``CachedSampler``'s generic
 loop). The log-probs the learner uses are recomputed by ``logprobs.token_logprobs`` with the model's own forward
