@@ -52,7 +52,8 @@ def run_once(name: str, steps: int, envs: int, seed: int, workdir: Path) -> dict
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     done = int(float(rows[-1]["global_step"]))
-    returns = [float(r["charts/episodic_return"]) for r in rows[-10:] if r["charts/episodic_return"] != "nan"]
+    # An update in which no episode ended logs an empty (NaN) return.
+    returns = [float(r["charts/episodic_return"]) for r in rows[-10:] if r["charts/episodic_return"] not in ("", "nan")]
     return {"process_sps": done / wall, "loop_sps": float(rows[-1]["perf/sps"]), "wall": wall, "steps": done,
             "return": statistics.mean(returns) if returns else float("nan")}
 
