@@ -19,6 +19,12 @@ from ppokit.trainer import CHECKPOINT_NAME, Trainer  # noqa: E402
 ENV = "InvertedPendulum-v5"
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    # MuJoCo writes its warnings to MUJOCO_LOG.TXT in the working directory: keep it out of the checkout.
+    monkeypatch.chdir(tmp_path)
+
+
 def _config(total: int, **kw):
     cfg = load_preset("mujoco")
     cfg.env_id, cfg.total_timesteps, cfg.tensorboard = ENV, total, False
