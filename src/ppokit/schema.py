@@ -109,6 +109,8 @@ REWARD_STD = _metric("diag/reward_std", "std of the rollout's raw per-step rewar
 ADVANTAGE_STD = _metric("diag/advantage_std", "std of the batch's advantages before normalization", "> 0")
 
 SPS = _metric("perf/sps", "environment steps per second since the run (or resume) started")
+# The phases of the Gymnasium loop whose seconds are logged as perf/time_<phase> and perf/frac_<phase>.
+PERF_PHASES = ("env", "inference", "advantages", "update", "logging")
 
 
 def perf_time(phase: str) -> str:

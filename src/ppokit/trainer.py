@@ -8,7 +8,6 @@ truncation bootstrap) is ``collector.Collector``'s; the epochs are ``epochs.ppo_
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -20,30 +19,31 @@ import torch
 
 from . import checkpoint as ckpt
 from . import distributed
-from .advantages import gae
-from .algos import Algo, adapt_kl_beta, get_algo  # adapt_kl_beta: ppo-kl's rule, importable from here as before
-from .acting import ActingKernel
-from .collector import Collector, action_masks_available, evaluate_first_episodes, make_eval_envs, make_train_envs
-from .envs.errors import EnvError, env_failure
-from .config import ConfigError, PPOConfig
 from . import schema as S
-from .monitor import Monitor, episode_time_limit
-from .normalize import ObsNormalizer, RewardScaler
-from .objectives import explained_variance
-from .resources import check_memory, layout_bytes, usable_threads
+from .acting import ActingKernel
+from .advantages import gae
+from .algos import Algo, adapt_kl_beta, get_algo  # noqa: F401  (adapt_kl_beta: ppo-kl's rule, importable from here)
+from .collector import Collector, action_masks_available, evaluate_first_episodes, make_eval_envs, make_train_envs
+from .config import ConfigError, PPOConfig
 from .encoders import obs_index, obs_map, observation_encoder
-from .normalize import make_obs_normalizer
-from .policies import ActorCritic, Policy, build_policy, spec_type
+from .envs.errors import EnvError
 from .epochs import Batch, UpdateSettings, ppo_epochs
 from .flat_adam import FlatAdam
 from .fused_step import FusedStep
 from .mlp_backward import supports as fused_supports
+from .monitor import Monitor, episode_time_limit
+from .normalize import RewardScaler, make_obs_normalizer
+from .objectives import explained_variance
+from .policies import ActorCritic, Policy, build_policy
+from .resources import check_memory, layout_bytes, usable_threads
+from .schema import PERF_PHASES
+from .trainer_lifecycle import TrainerLifecycle
+from .trainer_lifecycle import install_sigint as _install_sigint
+from .trainer_state import CHECKPOINT_NAME, TrainerCheckpoint
 from .update import AutogradStep
 
 __all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
 
-CHECKPOINT_NAME = "checkpoint.pt"
-PERF_PHASES = ("env", "inference", "advantages", "update", "logging")
 
 
 @dataclass
@@ -86,7 +86,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer:
+class Trainer(TrainerLifecycle, TrainerCheckpoint):
     """PPO train state plus the loop. Build with a validated config; ``run()`` trains to ``total_timesteps``."""
 
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
@@ -358,51 +358,6 @@ class Trainer:
         """The raw observation the next rollout starts from (the collector's)."""
         return self.collector.next_obs_raw
 
-    def _rollout_failed(self, step: int, rollout_start: int, exc: BaseException | None = None,
-                        detail: str | None = None) -> EnvError:
-        """The collector's ``fail``: an env failure at ``step`` of the rollout that began at ``rollout_start``."""
-        self.global_step = step
-        return self._env_failed("step()", rollout_start, exc, detail)
-
-    def _env_failed(self, phase: str, rollout_start: int, exc: BaseException | None = None,
-                    detail: str | None = None, unsaved: bool | None = None, envs: Any = None) -> EnvError:
-        """The EnvError that ends the run, after saving the learner state the last checkpoint lacks.
-
-        The learner (policy, optimizer, normalizers, counters) is as the last update left it; the env is not
-        trusted, so its state is left out (a resume starts fresh episodes) and the step count is the one at the
-        start of the failed rollout, so the checkpoint's update and step agree. If that save fails for any
-        reason, the previous checkpoint stays as it is.
-        """
-        cfg = self.config
-        error = env_failure(cfg.env_id, phase, self.global_step, exc, self.envs if envs is None else envs, detail)
-        if unsaved is None:  # after an update, step 5 of the loop saved it when update % save_every == 0
-            unsaved = self.update_idx > 0 and self.update_idx % cfg.save_every != 0
-        path = self.run_dir / CHECKPOINT_NAME
-        if unsaved and self.dist.is_main:
-            failed_step = self.global_step
-            self.global_step = rollout_start  # the step count this learner state belongs to
-            try:
-                # The env's state is left out: a resume starts fresh episodes.
-                self.save({**self.state(), "env_state": None})
-                note = f"saved the learner state of update {self.update_idx} to {path}"
-            except Exception as save_exc:  # noqa: BLE001 - the env error is the one to report
-                note = f"could not save the learner state ({type(save_exc).__name__}); the previous checkpoint stays"
-            finally:
-                self.global_step = failed_step
-        elif self.update_idx == 0:
-            note = "no update had finished, so there is no checkpoint"
-        elif path.exists():
-            note = f"the checkpoint of update {self.update_idx} in {path} is up to date"
-        else:
-            note = "no checkpoint could be written"
-        error = EnvError(f"{error}; {note}")
-        # On record for doctor/report; closing the logger and envs is left to run()'s exception path.
-        try:
-            self.logger.alert(self.global_step, "alert", "env_error", str(error))
-        except Exception:  # noqa: BLE001 - the env error is the news, not a failed alert write
-            pass
-        return error
-
     def evaluate_gate(self) -> float:
         """Mean return of one deterministic episode in each of ``eval_episodes`` envs of a separate vector env."""
         cfg = self.config
@@ -528,150 +483,6 @@ class Trainer:
             m[S.perf_frac(phase)] = self.perf[phase] / total
         return m
 
-    def _finish(self, wall: float, start_step: int) -> None:
-        last = self.metrics[-10:]
-        returns = [m[S.EPISODIC_RETURN] for m in last if not math.isnan(m[S.EPISODIC_RETURN])]
-        lines = {
-            "run dir": str(self.run_dir),
-            "env steps": f"{self.global_step:,}",
-            "final return (last 10 updates)": f"{np.mean(returns):.2f}" if returns else "no episode finished",
-            "wall time": f"{wall:.1f} s",
-            "SPS": f"{(self.global_step - start_step) / max(wall, 1e-9):,.0f}",
-            "time split": ", ".join(f"{p} {self.perf[p]:.1f}s" for p in PERF_PHASES),
-            "alerts": self.logger.alerts_overview(),
-        }
-        if self.dist.active:
-            lines["ranks"] = (f"{self.dist.world_size} data-parallel ranks x {self.config.num_envs} envs (env steps "
-                              "and SPS count every rank; time split: rank 0's)")
-        if self.config.unsafe:
-            lines["UNSAFE"] = "this run broke the trust-region guard rails (--unsafe)"
-        if self._stop_requested:
-            lines["stopped"] = f"interrupted; resume with: ppokit train --resume {self.run_dir}"
-        if self._callback_stop is not None:
-            lines["stopped"] = f"by callback {self._callback_stop} after update {self.update_idx}"
-        if self._solved:
-            lines["solved"] = (f"evaluation return {self.metrics[-1][S.EVAL_RETURN]:.1f} >= "
-                               f"{self.config.eval_threshold} at update {self.update_idx}; stopped early")
-        try:
-            if self.metrics and self.dist.is_main:
-                from .plots import plot_curves
-
-                # Titled by plots.run_title: env id, algo, seed and run dir name ("UNSAFE run:" first if unsafe).
-                plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png", alerts=self.logger.alerts)
-        finally:
-            try:
-                self.logger.summary(lines)
-                self.logger.close()
-                self._close_envs()
-            finally:
-                self._claim.release()
-
-    def _close_envs(self) -> None:
-        """Close the training and evaluation envs; an env whose close() raises costs a warning, not the run."""
-        for envs in (self.envs, self._eval_envs):
-            if envs is None:
-                continue
-            try:
-                envs.close()
-            except Exception as exc:  # noqa: BLE001 - the run's files are written; nothing is lost
-                import sys
-
-                print(f"warning: env {self.config.env_id!r} raised in close(): {type(exc).__name__}: {exc}",
-                      file=sys.stderr)
-
-    def _note_interrupt(self) -> None:
-        """Log the Ctrl-C alert once. Here, in the loop, never in the signal handler: the interrupted code may hold
-        a sink's lock (TensorBoard's writer), and an alert written from the handler would wait on it forever."""
-        if self._interrupt_noted:
-            return
-        self._interrupt_noted = True
-        self.logger.alert(self.global_step, "warn", "interrupted",
-                          f"Ctrl-C: finished update {self.update_idx}, saving a checkpoint and exiting "
-                          "(press again to abort without saving)")
-
-    def _abandon(self) -> None:
-        """After an exception in the loop: flush what was logged, close the envs, release the run dir's lock."""
-        try:
-            try:
-                self.logger.close()
-            finally:
-                self._close_envs()
-        except Exception:
-            pass  # the exception in flight is the one to report
-        finally:
-            self._claim.release()
-
-    # ================================================================== checkpoints
-    def state(self) -> dict[str, Any]:
-        """The full train state in checkpoint-safe types."""
-        from .agent import spaces_record
-        from .envs.state import capture_env_state
-
-        return {
-            "config": self.config.to_dict(),
-            "policy_spec": self.policy.spec(),
-            "policy": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "obs_norm": self.obs_norm.state_dict() if self.obs_norm is not None else None,
-            "reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler is not None else None,
-            "rng": ckpt.rng_state(),
-            "global_step": self.global_step,
-            "update": self.update_idx,
-            "kl_beta": self.kl_beta,
-            "perf": dict(self.perf),
-            "loop": self.collector.loop_state(),  # next_obs_raw, ep_return, ep_length, prev_done
-            "env_state": capture_env_state(self.envs),
-            # A custom env (factory or instance) cannot be rebuilt from its record: resume and eval need it again.
-            "custom_env": self.custom_env.record() if self.custom_env is not None else None,
-            # What the policy was built for, so that evaluating it elsewhere can name both sides of a mismatch
-            # and acting needs no env to find its bounds.
-            "spaces": spaces_record(self.envs.single_observation_space, self.envs.single_action_space),
-        }
-
-    def save(self, state: dict[str, Any] | None = None) -> Path:
-        """Write ``state`` (default: the full train state) atomically into the run dir; a failed write raises
-        CheckpointError and keeps the old file."""
-        path = self.run_dir / CHECKPOINT_NAME
-        # NaN/Inf is refused in the learner only: env buffers may hold what the env emitted (those steps are
-        # skipped in training), and refusing them would lose the run at its next save.
-        ckpt.save_checkpoint(path, self.state() if state is None else state, finite=ckpt.LEARNER_KEYS)
-        self.callbacks.on_checkpoint(path)
-        return path
-
-    def _load_state(self, state: dict[str, Any]) -> None:
-        from .agent import describe_policy_spec
-        from .envs.state import restore_env_state
-
-        path = self.run_dir / CHECKPOINT_NAME
-        if "policy_spec" not in state:
-            raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no 'policy_spec' entry")
-        saved_spec, spec = state["policy_spec"], self.policy.spec()
-        if isinstance(saved_spec, dict):  # a spec without "type" (before the registry) is an ActorCritic's
-            saved_spec = {"type": spec_type(saved_spec), **saved_spec}
-        if saved_spec != spec:
-            raise ckpt.CheckpointError(
-                f"{path} holds a policy for {describe_policy_spec(saved_spec)}, but {self.config.env_id} with this "
-                f"config needs one for {describe_policy_spec(spec)}; it cannot be resumed here")
-        try:
-            self.policy.load_state_dict(state["policy"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.obs_norm is not None and state.get("obs_norm") is not None:
-                self.obs_norm.load_state_dict(state["obs_norm"])
-            if self.reward_scaler is not None and state.get("reward_scaler") is not None:
-                self.reward_scaler.load_state_dict(state["reward_scaler"])
-            self.global_step = int(state["global_step"])
-            self.update_idx = int(state["update"])
-            self.kl_beta = float(state["kl_beta"])
-            self.perf.update(state.get("perf", {}))
-            loop = state["loop"]
-            if restore_env_state(self.envs, state.get("env_state")):
-                self.collector.load_loop_state(loop)
-            ckpt.set_rng_state(state["rng"])
-        except KeyError as exc:
-            raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no {exc.args[0]!r} entry") from exc
-        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
-            raise ckpt.CheckpointError(f"{path} cannot be resumed: {ckpt.one_line(exc)}") from exc
-
 
 def _adam_kwargs(device: torch.device) -> dict:
     # fused Adam runs the whole step as one kernel per dtype/device; it exists for CPU in torch >= 2.4.
@@ -680,27 +491,6 @@ def _adam_kwargs(device: torch.device) -> dict:
         return {"fused": True}
     except (RuntimeError, TypeError, ValueError):
         return {"foreach": True}
-
-
-def _install_sigint(trainer: Trainer):
-    """First Ctrl-C: finish the current update, save, exit cleanly. Second Ctrl-C: default behaviour."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame):
-        # Only a flag: the loop logs the alert and saves. Anything more (I/O, a lock) could deadlock on what the
-        # interrupted code holds. The second Ctrl-C aborts; a checkpoint write it lands in leaves the old file.
-        if trainer._stop_requested:
-            raise KeyboardInterrupt
-        trainer._stop_requested = True
-
-    if getattr(trainer, "dist", distributed.LOCAL).active:
-        # A data-parallel rank is stopped by SIGTERM (torchrun passes its own on, as Slurm and Kubernetes send it,
-        # and kills ~30 s later): finish the update and save, as for Ctrl-C; every rank agrees to stop.
-        trainer._old_sigterm = signal.signal(signal.SIGTERM, handler)
-    return signal.signal(signal.SIGINT, handler)
 
 
 def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
