@@ -19,7 +19,7 @@ from .epochs import KL_STOP_FACTOR, STAT_NAMES, Batch, MinibatchResult, UpdateSe
 from .objectives import approx_kl_k1, approx_kl_k3, clip_fraction
 from .policies import ActorCritic
 
-__all__ = ["Batch", "UpdateSettings", "AutogradStep", "ppo_update", "minibatch_loss", "kl_stops", "KL_STOP_FACTOR",
+__all__ = ["Batch", "UpdateSettings", "AutogradStep", "AutogradGuards", "ppo_update", "minibatch_loss", "kl_stops", "KL_STOP_FACTOR",
            "STAT_NAMES"]
 
 
@@ -50,7 +50,37 @@ def minibatch_loss(policy: ActorCritic, mb: Batch, s: UpdateSettings) -> tuple[T
 
 
 
-class AutogradStep:
+class AutogradGuards:
+    """What every eager-autograd ``epochs.UpdateStep`` shares (this one and the language-model trainers'
+    ``lm.step.TokenStep``): the gradients and statistics the ``sync`` hook averages, the global-norm clip with the
+    guards' single host read, and discarding a skipped minibatch. Needs ``params``, ``optimizer``, ``_loss`` (the
+    minibatch loss) and ``_stats`` (its 0-dim diagnostics, ``approx_kl`` among them)."""
+
+    params: list[Tensor]
+    optimizer: torch.optim.Optimizer
+    _loss: Tensor
+    _stats: dict[str, Tensor]
+
+    def gradients(self) -> list[Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def sync_stats(self) -> list[Tensor]:
+        # The detached loss shares its storage with the loss the guard reads.
+        return [self._loss.detach(), *self._stats.values()]
+
+    def clip_and_read(self, max_grad_norm: float) -> tuple[Tensor, float, float, float]:
+        """Clip the gradients in place to ``max_grad_norm``; ``(norm before clipping, loss, norm, approx KL)`` with
+        the three floats read from the device at once (one host sync serves the NaN skip and the KL early stop)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
+        loss_v, grad_v, kl_v = torch.stack([self._loss.detach().float(), grad_norm.float(),
+                                            self._stats["approx_kl"].float()]).tolist()
+        return grad_norm, loss_v, grad_v, kl_v
+
+    def discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+
+
+class AutogradStep(AutogradGuards):
     """``epochs.UpdateStep`` by eager autograd: ``minibatch_loss`` backpropagated into the parameters' ``.grad``,
     clipped by ``clip_grad_norm_`` and applied by ``optimizer`` (any ``torch.optim`` optimizer over ``policy``)."""
 
@@ -78,26 +108,14 @@ class AutogradStep:
         self.optimizer.zero_grad(set_to_none=False)
         self._loss.backward()
 
-    def gradients(self) -> list[Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def sync_stats(self) -> list[Tensor]:
-        # The detached loss shares its storage with the loss the guard reads.
-        return [self._loss.detach(), *self._stats.values()]
-
     def measure(self) -> MinibatchResult:
         # clip_grad_norm_ clips in place and returns the norm before clipping; the step is taken only if applied.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm)
-        # One host read per minibatch serves both guards (NaN skip and KL early stop).
-        loss_v, grad_v, kl_v = torch.stack([self._loss.detach(), grad_norm, self._stats["approx_kl"]]).tolist()
+        grad_norm, loss_v, grad_v, kl_v = self.clip_and_read(self.settings.max_grad_norm)
         stats = dict(self._stats, grad_norm=grad_norm.detach())
         return MinibatchResult(loss=loss_v, grad_norm=grad_v, approx_kl=kl_v, stats=stats)
 
     def apply(self, result: MinibatchResult) -> None:
         self.optimizer.step()
-
-    def discard(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
 
 
 def ppo_update(policy: ActorCritic, optimizer: torch.optim.Optimizer, batch: Batch, s: UpdateSettings,

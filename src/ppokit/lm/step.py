@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..epochs import STAT_NAMES, MinibatchResult, UpdateSettings
+from ..update import AutogradGuards
 from .rollout import TokenBatch
 
 __all__ = ["TokenStep", "TokenLoss"]
@@ -24,7 +25,7 @@ __all__ = ["TokenStep", "TokenLoss"]
 TokenLoss = Callable[[TokenBatch], tuple[Tensor, dict[str, Tensor]]]
 
 
-class TokenStep:
+class TokenStep(AutogradGuards):
     """Backpropagates ``loss_fn`` into ``params``' ``.grad``, clips the global norm, steps ``optimizer``.
 
     ``device``: where a minibatch is moved before its forward pass (with ``offload_rollout`` the rollout lives in
@@ -62,17 +63,8 @@ class TokenStep:
         if self._loss.requires_grad:
             self._loss.backward()
 
-    def gradients(self) -> list[Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def sync_stats(self) -> list[Tensor]:
-        return [self._loss.detach(), *self._stats.values()]
-
     def measure(self) -> MinibatchResult:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        # One host read serves both guards (the non-finite skip and the KL early stop).
-        loss_v, grad_v, kl_v = torch.stack([self._loss.detach().float(), grad_norm.float(),
-                                            self._stats["approx_kl"].float()]).tolist()
+        grad_norm, loss_v, grad_v, kl_v = self.clip_and_read(self.max_grad_norm)
         stats = {name: self._stats[name] for name in STAT_NAMES if name != "grad_norm"}
         stats["grad_norm"] = grad_norm.detach()
         return MinibatchResult(loss=loss_v, grad_norm=grad_v, approx_kl=kl_v, stats=stats)
@@ -83,9 +75,6 @@ class TokenStep:
             if name not in STAT_NAMES:
                 self._extra_totals[name] = self._extra_totals.get(name, 0.0) + value.detach()
         self._extra_n += 1
-
-    def discard(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
 
     def extra_means(self) -> dict[str, float]:
         """Mean of each extra diagnostic over the applied minibatches of the last update (NaN when none)."""
