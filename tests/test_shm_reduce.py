@@ -1,0 +1,94 @@
+"""``ppokit.shm_reduce``: the shared-memory sum the per-minibatch gradient sync uses when every rank is on one host.
+
+Real processes (multiprocessing, spawn) share one file; each checks the sum against the rows computed
+independently in the parent, call after call (the two-slot protocol is exercised by consecutive calls).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from ppokit import shm_reduce
+from ppokit.shm_reduce import ShmReducer
+
+pytestmark = pytest.mark.skipif(not shm_reduce.supported(), reason="the flag protocol is used on x86-64 only")
+
+K, N, CALLS = 3, 257, 40
+
+
+def _row(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * call + rank)
+    return torch.randn(N, generator=g).to(dtype)
+
+
+def _rank(path: str, rank: int, dtype: torch.dtype, out: "mp.Queue") -> None:
+    torch.set_num_threads(1)
+    red = ShmReducer(path, rank, K, capacity=N + 3)
+
+    def fail(why):
+        raise RuntimeError(why)
+
+    results = []
+    for call in range(CALLS):
+        if rank == call % K:  # a different rank arrives late each call: the others must wait for it
+            time.sleep(0.002)
+        got = red.sum(_row(rank, call, dtype), 10.0, lambda: None, fail)
+        results.append(got)
+    out.put((rank, torch.stack(results).numpy()))  # numpy: a tensor would travel as a file descriptor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_rank_gets_the_rank_ordered_sum_on_every_call(tmp_path, dtype):
+    path = str(tmp_path / "sync")
+    ShmReducer.create(path, K, N + 3)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(path, r, dtype, out)) for r in range(K)]
+    for p in procs:
+        p.start()
+    got = {r: torch.from_numpy(a) for r, a in (out.get(timeout=60) for _ in range(K))}
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for call in range(CALLS):
+        ref = _row(0, call, dtype).double() + _row(1, call, dtype).double() + _row(2, call, dtype).double()
+        for r in range(K):
+            assert got[r].dtype == dtype
+            assert torch.equal(got[r][call], got[0][call])  # the same bits on every rank
+        torch.testing.assert_close(got[0][call], ref.to(dtype), rtol=0, atol=0)
+
+
+def test_a_rank_that_never_arrives_is_reported_within_the_timeout(tmp_path):
+    path = str(tmp_path / "sync")
+    ShmReducer.create(path, 2, 8)
+    red = ShmReducer(path, 0, 2, capacity=8)
+    seen = []
+
+    def on_lost(why):
+        seen.append(why)
+        raise TimeoutError(why)
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        red.sum(torch.ones(8), 0.5, lambda: None, on_lost)
+    assert seen == [None] and 0.5 <= time.monotonic() - start < 3
+    # A lost() that names a gone peer is raised before the timeout.
+    red2 = ShmReducer(path, 0, 2, capacity=8)
+    red2._gen = 5
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="lost rank 1"):
+        red2.sum(torch.ones(8), 30.0, lambda: "lost rank 1 (its process exited) of 2", on_lost)
+    assert time.monotonic() - start < 3
+
+
+def test_a_buffer_larger_than_the_file_is_refused_so_the_caller_falls_back(tmp_path):
+    path = str(tmp_path / "sync")
+    ShmReducer.create(path, 2, 8)
+    red = ShmReducer(path, 1, 2, capacity=8)
+    assert red.fits(8) and not red.fits(9)
+    assert os.path.getsize(path) == ShmReducer.nbytes(2, 8)
