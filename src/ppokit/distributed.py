@@ -7,8 +7,9 @@ is the identity (``LOCAL``), so a plain run computes bit for bit what it did bef
 What makes the ranks one job (the pattern of CleanRL's multi-GPU PPO, written for ppokit's epoch loop):
 
 1. identical start: rank 0's parameters are broadcast after the policy is built (and after a resume);
-2. gradients averaged in the epoch loop's ``sync`` hook (``epochs.SyncHook``): ONE all-reduce per minibatch of
-   the step's flat gradient buffer (the fused path's ``FlatAdam`` buffer, or the autograd path's ``.grad``
+2. gradients averaged in the epoch loop's ``sync`` hook (``epochs.SyncHook``): ONE sum per minibatch of
+   the step's flat gradient buffer (through shared memory, ``shm_reduce``, when every rank is on this host under
+   gloo, ``PPOKIT_DIST_NO_SHM=1`` to use gloo's all-reduce instead; an all-reduce otherwise) (the fused path's ``FlatAdam`` buffer, or the autograd path's ``.grad``
    tensors flattened) concatenated with the device statistics the guards read, so the gradient norm, the clip,
    the non-finite skip and the KL early stop are decided on the same numbers on every rank (a per-rank KL
    break leaves the others waiting in the next all-reduce forever: the KL mean is what is compared);
@@ -226,19 +227,8 @@ class Dist:
         if (self.backend != "gloo" or not shm_reduce.supported() or any(h != here for h, _ in self.peers)
                 or capacity > 1 << 24 or os.environ.get(NO_SHM_VAR, "") not in ("", "0")):
             return
-        name = [None]
         with self._guard("sharing memory"):
-            if self.is_main:
-                base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-                fd, path = tempfile.mkstemp(prefix="ppokit-sync-", dir=base)
-                os.close(fd)
-                shm_reduce.ShmReducer.create(path, self.world_size, capacity)
-                name = [path]
-            torch.distributed.broadcast_object_list(name, src=0)
-            self._shm = shm_reduce.ShmReducer(name[0], self.rank, self.world_size, capacity)
-            torch.distributed.barrier()
-        if self.is_main:
-            os.unlink(name[0])
+            self._shm = shm_reduce.join(self.rank, self.world_size, capacity)
 
     def _lost_now(self) -> str | None:
         """``lost_ranks()`` when a rank on this host has exited or is stopped, else None (still running)."""

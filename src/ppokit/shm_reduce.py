@@ -20,7 +20,9 @@ at the latest, at ``timeout_s``; either raises through the caller's ``on_lost``.
 
 from __future__ import annotations
 
+import os
 import platform
+import tempfile
 import time
 from typing import Callable
 
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ShmReducer", "supported"]
+__all__ = ["ShmReducer", "join", "supported"]
 
 
 def supported() -> bool:
@@ -98,3 +100,22 @@ class ShmReducer:
                         on_lost(why)
                 if now - start > timeout_s:
                     on_lost(None)  # the caller names the rank(s) that did not answer
+
+
+def join(rank: int, world_size: int, capacity: int) -> ShmReducer:
+    """Every rank of the (initialized) process group calls this: rank 0 creates the file (in /dev/shm where it
+    exists), all map it, and rank 0 unlinks it once all have, so nothing is left behind, even after a kill -9."""
+    import torch.distributed as dist
+
+    name: list = [None]
+    if rank == 0:
+        fd, path = tempfile.mkstemp(prefix="ppokit-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.close(fd)
+        ShmReducer.create(path, world_size, capacity)
+        name = [path]
+    dist.broadcast_object_list(name, src=0)
+    reducer = ShmReducer(name[0], rank, world_size, capacity)
+    dist.barrier()
+    if rank == 0:
+        os.unlink(name[0])
+    return reducer
