@@ -350,3 +350,31 @@ def test_token_gae_matches_a_per_sequence_loop_on_ragged_responses():
     whitened, _ = token_advantages(rewards, values, mask, gamma, lam, whiten=True)
     real = whitened[mask]
     assert abs(float(real.mean())) < 1e-6 and float(real.std(unbiased=False)) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_the_log_prob_forward_skips_the_last_position_and_matches_the_full_forward(tiny_pad_eos):
+    """The response's log-probs come from positions P - 1 .. P + R - 2, so the forward runs on ``[:, :-1]`` (the
+    last position's logits are never read); reading the full forward's logits at those positions gives the same."""
+    from ppokit.lm.logprobs import token_logprobs
+
+    model, tok = tiny_pad_eos
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 9), generator=g)
+    attn = torch.ones_like(ids)
+    attn[0, :2] = 0  # left padding
+    attn[1, -2:] = 0  # padding after a stop
+    R = 4
+    lengths = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: lengths.append(kw["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    try:
+        with torch.no_grad():
+            logp, entropy = token_logprobs(model, ids, attn, R, 0.7, with_entropy=True)
+    finally:
+        handle.remove()
+    assert lengths == [ids.shape[1] - 1]
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False).logits
+    ref = torch.log_softmax(full[:, -(R + 1):-1].float() / 0.7, -1)
+    assert torch.allclose(logp, ref.gather(-1, ids[:, -R:, None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(entropy, -(ref.exp() * ref).sum(-1), atol=1e-5)

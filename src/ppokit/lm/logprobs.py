@@ -8,7 +8,8 @@ by up to 0.85 nats/token on a real model (issue 11), and the recomputed log-prob
 generation sampled with (``transformers``' ``generate`` derives positions the same way).
 
 The logits predicting response token ``t`` sit at position ``P + t - 1``, so the response's log-probs come from
-positions ``P - 1 .. P + R - 2`` (the last prompt token is always real with left padding).
+positions ``P - 1 .. P + R - 2`` (the last prompt token is always real with left padding); the last position
+``P + R - 1`` is never run (``sequence_forward``).
 """
 
 from __future__ import annotations
@@ -49,10 +50,19 @@ def _forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep: 
 
 
 def sequence_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, n_response: int) -> Tensor:
-    """Logits predicting the ``n_response`` response tokens: ``[B, R, V]`` (float, before any temperature)."""
-    out = _forward(model, input_ids, attention_mask, n_response + 1)
+    """Logits predicting the ``n_response`` response tokens: ``[B, R, V]`` (float, before any temperature).
+
+    The forward runs on ``[:, :-1]``: the last position's logits would predict a token after the response and are
+    never read, and a causal model's logits at the other positions do not depend on it (7.3 -> 7.0 ms per 32-row
+    forward+backward on the tiny GPT-2). Cutting the mask before ``position_ids`` gives the same positions, since
+    ``cumsum`` of a prefix is the prefix of the ``cumsum``. Every log-prob the trainers compare (pi_old, pi_ref,
+    the minibatch forwards, DPO's) comes through here, so they all see the same cut.
+    """
+    if n_response < 1:  # logits_to_keep=0 would mean "all positions" to transformers
+        raise ValueError(f"sequence_forward: n_response must be >= 1, got {n_response}")
+    out = _forward(model, input_ids[:, :-1], attention_mask[:, :-1], n_response)
     logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits[:, -(n_response + 1):-1]
+    return logits[:, -n_response:]
 
 
 def logprobs_of(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:

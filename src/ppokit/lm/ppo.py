@@ -68,9 +68,13 @@ def default_value_model(policy: nn.Module) -> ValueModel:
 
 
 def response_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, n_response: int) -> Tensor:
-    """``[B, R]``: V of the prefix before each response token (the positions whose logits predict it)."""
-    values = value_model(input_ids, attention_mask)
-    return values[:, -(n_response + 1):-1]
+    """``[B, R]``: V of the prefix before each response token (the positions whose logits predict it).
+
+    Like ``logprobs.sequence_forward``, the critic runs on ``[:, :-1]``: the last position's value is never read."""
+    if n_response == 0:
+        return input_ids.new_zeros(input_ids.shape[0], 0, dtype=torch.float32)
+    values = value_model(input_ids[:, :-1], attention_mask[:, :-1])
+    return values[:, -n_response:]
 
 
 def rlhf_rewards(scores: Tensor, logp_old: Tensor, logp_ref: Tensor | None, mask: Tensor, kl_coef: float,
