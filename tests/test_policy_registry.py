@@ -128,8 +128,10 @@ def test_a_previous_release_checkpoint_loads_as_an_actor_critic_with_its_actions
         agent = ppokit.load(RELEASE / "checkpoint.pt")
     assert type(agent.policy) is ActorCritic and agent.policy.spec()["type"] == "actor_critic"
     obs = np.asarray(expected["obs"], dtype=np.float32)
+    # The greedy actions exactly (the closest pair of logits is 3e-3 apart); the values within a tolerance another
+    # CPU's float kernels satisfy (they differ from the 7th digit on), far below what a wrong load would change.
     assert agent.act(obs).tolist() == expected["actions"]
-    np.testing.assert_allclose(agent.value(obs), expected["values"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(agent.value(obs), expected["values"], rtol=1e-4, atol=1e-5)
 
 
 def test_a_previous_release_run_resumes(tmp_path):
