@@ -269,6 +269,15 @@ class PPOConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
+    def for_env(cls, env_id: str, **overrides: Any) -> "PPOConfig":
+        """The config ``ppokit train --env ENV_ID`` trains: the planner's (published settings where known, e.g.
+        the cartpole preset for CartPole-v1, its rules otherwise; see ``ppokit plan``), with ``overrides`` (config
+        fields) applied as flags are. ``PPOConfig(env_id=...)`` is the library defaults instead. Validated."""
+        from .planner import planned_config
+
+        return planned_config({**overrides, "env_id": env_id})[0]
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any], base: "PPOConfig | None" = None, strict: bool = False) -> "PPOConfig":
         """A config from ``data`` over ``base`` (or the defaults); unknown keys raise ``ConfigError``.
 

@@ -21,7 +21,7 @@ from .config import ConfigError, PPOConfig, load_preset
 from . import schema as S
 from .schema import THRESHOLDS
 
-__all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "diagnostics_plan", "MIN_UPDATES"]
+__all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "planned_config", "diagnostics_plan", "MIN_UPDATES"]
 
 # Fewer updates than this and PPO has too few policy-improvement steps to get anywhere on most tasks.
 MIN_UPDATES = 50
@@ -409,3 +409,32 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
     if config.unsafe:
         notes.append("UNSAFE: " + "; ".join(f"{n}: {r}" for n, r in config.guard_rail_violations()))
     return Plan(config, reasons, pr, source, notes, diagnostics_plan())
+
+
+def planned_config(overrides: dict[str, Any]) -> tuple[PPOConfig, str]:
+    """``(config, source)``: what ``ppokit train --env X`` and ``PPOConfig.for_env(X)`` train, for ``overrides``
+    (config fields, ``env_id`` among them; as typed values or command-line text): the planner's config for X with
+    the other fields applied, and one sentence saying where its values came from.
+
+    The budget is ``total_timesteps`` when given, else the preset's own length for a known id (100k for CartPole),
+    else the library default. Known ids need no probe (their values are published); unknown ones are probed.
+    """
+    # Type errors in the overrides first: they need no environment.
+    flagged = PPOConfig.from_dict(overrides)
+    env_id = flagged.env_id
+    known = known_settings(env_id)
+    if "total_timesteps" in overrides:
+        budget = flagged.total_timesteps
+    elif known is not None and known[2]:
+        budget = load_preset(known[2]).total_timesteps
+    else:
+        budget = PPOConfig().total_timesteps
+    rest = {k: v for k, v in overrides.items() if k not in ("env_id", "total_timesteps")}
+    if known is None and flagged.vector_mode == "envpool":
+        # envpool's task ids are not Gymnasium ids, so the planner cannot probe them: the defaults it is.
+        return (flagged.validate(), f"config: library defaults for {env_id} (the planner cannot probe an "
+                                    "envpool task; pass --preset or --config to tune it)")
+    plan = make_plan(env_id, budget, rest, probe=known is None)
+    source = (f"config: planner settings for {env_id} ({plan.source}); see ppokit plan --env {env_id} "
+              f"--budget {budget}")
+    return plan.config, source

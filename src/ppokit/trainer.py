@@ -493,10 +493,14 @@ def _adam_kwargs(device: torch.device) -> dict:
         return {"foreach": True}
 
 
-def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
+def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: Any = None,
           console_enabled: bool = True, overwrite: bool = False, env: Any = None, callbacks: Any = None,
-          rollout: Any = None) -> Run:
+          rollout: Any = None, **overrides: Any) -> Run:
     """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
+
+    ``config`` may be an env id: ``train("CartPole-v1")`` trains ``PPOConfig.for_env("CartPole-v1")``, the
+    planner's tuned config that ``ppokit train --env CartPole-v1`` trains. ``overrides`` are config fields set
+    over either (``train("CartPole-v1", total_timesteps=20_000)``).
 
     ``env`` (default: ``config.env_id``) is a registered id, a zero-argument factory returning a ``gymnasium.Env``
     (called once per env; ``vector_mode`` sync or async), or one ``gymnasium.Env`` instance, wrappers included
@@ -513,6 +517,10 @@ def train(config: PPOConfig, run_dir: str | Path | None = None, console: Any = N
     ``rollout``: a rollout backend instead of ``collector.Collector`` (a callable taking Collector's arguments and
     returning a ``rollout_source.RolloutSource``), e.g. remote rollout workers; the learner is unchanged.
     """
+    if isinstance(config, str):
+        config = PPOConfig.for_env(config, **overrides)
+    elif overrides:
+        config = PPOConfig.from_dict(overrides, config)
     return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled,
                    overwrite=overwrite, env=env, callbacks=callbacks, rollout=rollout).run()
 

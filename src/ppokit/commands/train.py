@@ -42,6 +42,7 @@ def resolve_config(args: argparse.Namespace):
     otherwise; see ``ppokit plan``), not untuned library defaults; flags still override it.
     """
     from ppokit.config import PPOConfig, load_preset
+    from ppokit.planner import planned_config
 
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PPOConfig)
                  if getattr(args, f.name, None) is not None}
@@ -50,7 +51,7 @@ def resolve_config(args: argparse.Namespace):
     if preset is None and config_file is None and "env_id" not in overrides:
         preset = "cartpole"
     if preset is None and config_file is None:
-        return _planned_config(overrides)
+        return planned_config(overrides)
     config = PPOConfig()
     if preset:
         config = load_preset(preset, config)
@@ -59,33 +60,6 @@ def resolve_config(args: argparse.Namespace):
     if overrides:
         config = PPOConfig.from_dict(overrides, config)
     return config, None
-
-
-def _planned_config(overrides: dict):
-    """The planner's config for ``overrides['env_id']`` with the other flags applied (as ``ppokit plan`` does)."""
-    from ppokit.config import PPOConfig, load_preset
-    from ppokit.planner import known_settings, make_plan
-
-    # Type errors in the flags first: they need no environment.
-    flagged = PPOConfig.from_dict(overrides)
-    env_id = flagged.env_id
-    known = known_settings(env_id)
-    if "total_timesteps" in overrides:
-        budget = flagged.total_timesteps
-    elif known is not None and known[2]:
-        budget = load_preset(known[2]).total_timesteps  # the preset's own length, e.g. 100k for CartPole
-    else:
-        budget = PPOConfig().total_timesteps
-    rest = {k: v for k, v in overrides.items() if k not in ("env_id", "total_timesteps")}
-    if known is None and flagged.vector_mode == "envpool":
-        # envpool's task ids are not Gymnasium ids, so the planner cannot probe them: the defaults it is.
-        return (flagged.validate(), f"config: library defaults for {env_id} (the planner cannot probe an "
-                                    "envpool task; pass --preset or --config to tune it)")
-    # Known ids need no probe (their values are published); unknown ones are probed for the rules.
-    plan = make_plan(env_id, budget, rest, probe=known is None)
-    source = (f"config: planner settings for {env_id} ({plan.source}); see ppokit plan --env {env_id} "
-              f"--budget {budget}")
-    return plan.config, source
 
 
 def config_from_args(args: argparse.Namespace):
