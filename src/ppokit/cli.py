@@ -54,12 +54,39 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ppokit`` console script; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = getattr(args, "command", None)
+        if command is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        print(f"error: {unknown_argument(_subparser(parser, command), command, unknown)}", file=sys.stderr)
+        return 2
     if not hasattr(args, "handler"):
         parser.print_help()
         return 2
     _plain_warnings()
     return int(args.handler(args) or 0)
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
+def unknown_argument(sub: argparse.ArgumentParser, command: str, unknown: list[str]) -> str:
+    """One line for the arguments ``ppokit COMMAND`` did not take: the first unknown flag and the closest flag
+    the command has (``--learning_rate`` -> ``--learning-rate``), in place of argparse's usage of all of them."""
+    import difflib
+
+    flag = next((u for u in unknown if u.startswith("-")), None)
+    if flag is None:
+        return f"unexpected argument {unknown[0]!r} for ppokit {command} (ppokit {command} --help lists its arguments)"
+    name = flag.split("=", 1)[0]
+    flags = sorted({o for a in sub._actions for o in a.option_strings if o.startswith("--")})
+    spelled = "--" + name.lstrip("-").replace("_", "-")  # every ppokit flag is kebab-case
+    close = [spelled] if spelled in flags else difflib.get_close_matches(spelled, flags, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"ppokit {command} --help lists the flags"
+    return f"unknown flag {name} for ppokit {command}; {hint}"
 
 
 def _plain_warnings() -> None:

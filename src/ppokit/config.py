@@ -41,12 +41,24 @@ SEED_MAX = 2**32 - 1
 
 
 class ConfigError(ValueError):
-    """An invalid configuration value; the message names the field and says what to do."""
+    """An invalid configuration value; the message names the field and says what to do.
 
-    def __init__(self, field_name: str, reason: str):
+    ``others`` (field -> reason) are further invalid fields met in the same check, so that a file with three
+    mistakes is refused once with all three (``problems`` holds every one; ``field``/``reason`` the first);
+    ``where`` (e.g. the TOML file) starts the message."""
+
+    def __init__(self, field_name: str, reason: str, others: dict[str, str] | None = None, where: str = ""):
         self.field = field_name
         self.reason = reason
-        super().__init__(f"config field '{field_name}': {reason}")
+        self.problems = {field_name: reason, **(others or {})}
+        text = "; ".join(f"config field '{name}': {why}" for name, why in self.problems.items())
+        super().__init__(f"{where}: {text}" if where else text)
+
+    @classmethod
+    def of(cls, problems: dict[str, str], where: str = "") -> "ConfigError":
+        """One error for every (field, reason) of ``problems`` (non-empty), in their order."""
+        (name, reason), *rest = problems.items()
+        return cls(name, reason, dict(rest), where)
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -144,15 +156,25 @@ class PPOConfig:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> "PPOConfig":
-        """Raise ``ConfigError`` for the first invalid field; return self when valid."""
+        """Raise one ``ConfigError`` naming every invalid field (the first reason of each); return self when valid."""
+        problems: dict[str, str] = {}
+
         def need(ok: bool, name: str, reason: str) -> None:
             if not ok:
-                raise ConfigError(name, reason)
+                problems.setdefault(name, reason)
+
+        def gate() -> None:  # the checks after this one assume the fields checked before it are valid
+            if problems:
+                raise ConfigError.of(problems)
 
         # Types first, strictly (a bool is not an int, a string is not a number), so the range checks below
         # compare numbers with numbers.
         for f in dataclasses.fields(self):
-            _coerce(f.name, getattr(self, f.name), strict=True)
+            try:
+                _coerce(f.name, getattr(self, f.name), strict=True)
+            except ConfigError as exc:
+                need(False, exc.field, exc.reason)
+        gate()
         for name in ("num_envs", "num_steps", "total_timesteps", "num_minibatches", "update_epochs",
                      "torch_threads", "log_every", "save_every", "video_every"):
             value = getattr(self, name)
@@ -196,6 +218,7 @@ class PPOConfig:
         if self.target_kl is not None:
             need(math.isfinite(self.target_kl) and self.target_kl > 0, "target_kl",
                  f"must be > 0 or none, got {self.target_kl!r}")
+        gate()  # num_envs, num_steps and num_minibatches are positive integers from here on
         need(self.batch_size % self.num_minibatches == 0, "num_minibatches",
              f"{self.num_minibatches} does not divide the batch num_envs * num_steps = {self.batch_size}; "
              f"choose a divisor of {self.batch_size}")
@@ -210,6 +233,7 @@ class PPOConfig:
         need(not self.capture_video or self.vector_mode == "sync", "capture_video",
              f"records env 0 of a sync vector env; vector_mode {self.vector_mode!r} runs the envs elsewhere: set "
              "vector_mode = sync")
+        gate()
         from .resources import check_device, check_memory, check_run_dir
 
         check_device(self.device)
@@ -222,12 +246,22 @@ class PPOConfig:
             self._check_guard_rails()
         return self
 
-    def warnings(self) -> list[str]:
-        """Valid but probably unintended settings, one sentence each (the CLI prints them on stderr)."""
+    def warnings(self, world_size: int = 1) -> list[str]:
+        """Valid but probably unintended settings, one sentence each (the CLI prints them on stderr).
+
+        ``world_size``: data-parallel ranks, each collecting a batch per update (total_timesteps counts them all)."""
         out = []
-        if self.total_timesteps < self.batch_size:
-            out.append(f"total_timesteps={self.total_timesteps:,} is less than one batch (num_envs * num_steps = "
-                       f"{self.batch_size:,}): the run trains one batch of {self.batch_size:,} steps")
+        batch = self.batch_size * world_size
+        what = "num_envs * num_steps" + (f" * {world_size} ranks" if world_size > 1 else "")
+        if self.total_timesteps < batch:
+            out.append(f"total_timesteps={self.total_timesteps:,} is less than one batch ({what} = "
+                       f"{batch:,}): the run trains one batch of {batch:,} steps")
+        elif self.total_timesteps % batch:
+            # Whole updates only (Trainer: total_timesteps // batch), so the remainder is never trained.
+            n = self.total_timesteps // batch
+            out.append(f"total_timesteps={self.total_timesteps:,} is not a multiple of the batch ({what} = "
+                       f"{batch:,}): the run trains {n * batch:,} steps ({n:,} update{'s' * (n != 1)}); "
+                       f"{(n + 1) * batch:,} would be {n + 1:,} updates")
         return out
 
     def guard_rail_violations(self) -> list[tuple[str, str]]:
@@ -279,13 +313,24 @@ class PPOConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base: "PPOConfig | None" = None, strict: bool = False) -> "PPOConfig":
-        """A config from ``data`` over ``base`` (or the defaults); unknown keys raise ``ConfigError``.
+        """A config from ``data`` over ``base`` (or the defaults); unknown keys and values of the wrong type raise
+        one ``ConfigError`` naming every such key.
 
         Strings are parsed as command-line text (``"1e5"``, ``"64,64"``, ``"true"``) unless ``strict``, where
         every value must already have its field's type (TOML files: ``num_envs = "12"`` is refused).
         """
+        config, problems = cls._apply(data, base, strict)
+        if problems:
+            raise ConfigError.of(problems)
+        return config
+
+    @classmethod
+    def _apply(cls, data: dict[str, Any], base: "PPOConfig | None", strict: bool) -> tuple["PPOConfig", dict[str, str]]:
+        """``(config, problems)``: ``base`` with the keys of ``data`` that are valid, and field -> reason for the
+        others (an unknown key, a value that does not fit its field's type)."""
         values = (base or cls()).to_dict()
         known = set(values)
+        problems: dict[str, str] = {}
         for key, value in data.items():
             name = key.replace("-", "_")
             if name == "env":
@@ -295,9 +340,13 @@ class PPOConfig:
 
                 close = difflib.get_close_matches(name, sorted(known), n=3)
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise ConfigError(name, f"unknown config field{hint}")
-            values[name] = _coerce(name, value, strict=strict)
-        return cls(**values)
+                problems.setdefault(name, f"unknown config field{hint}")
+                continue
+            try:
+                values[name] = _coerce(name, value, strict=strict)
+            except ConfigError as exc:
+                problems.setdefault(name, exc.reason)
+        return cls(**values), problems
 
     @classmethod
     def from_toml(cls, path: str | Path, base: "PPOConfig | None" = None) -> "PPOConfig":
@@ -327,7 +376,18 @@ class PPOConfig:
                 raise ConfigError(others[0], f"{path} has a [ppo] table, so top-level keys are not read; move "
                                              f"{', '.join(others)} into [ppo]")
             data = data["ppo"]
-        return cls.from_dict(data, base, strict=True)
+        config, problems = cls._apply(data, base, strict=True)
+        if problems:
+            # Every mistake of the file at once: the values the valid keys set are range-checked too, and those of
+            # its keys that fail join the list (validate() reports the rest when the types are right).
+            try:
+                config.validate()
+            except ConfigError as exc:
+                keys = {k.replace("-", "_") for k in data}
+                problems.update({k: r for k, r in exc.problems.items() if k in keys and k not in problems})
+            raise ConfigError.of(problems, where=f"{path} has {len(problems)} invalid keys"
+                                 if len(problems) > 1 else "")
+        return config
 
     def to_toml(self) -> str:
         """The config as TOML text (``target_kl``/``run_dir`` of none are written as comments)."""

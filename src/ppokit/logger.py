@@ -513,7 +513,8 @@ class MetricsLogger:
         rows.setdefault("alerts", self.alerts_overview())
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold", no_wrap=True)
-        grid.add_column()
+        # fold, not rich's default ellipsis: on an 80-column terminal a long run dir is wrapped, never cut to "…".
+        grid.add_column(overflow="fold")
         for key, value in rows.items():
             grid.add_row(escape(str(key)), escape(str(value)))
         style = "red" if any(a["level"] in _SEVERE_LEVELS for a in self.alerts) else (

@@ -406,6 +406,7 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
         config = PPOConfig.from_dict({k: v}, config)
         reasons[k.replace("-", "_")] = "set on the command line"
     config.validate()
+    notes += config.warnings()  # e.g. a budget that is not a whole number of batches
     if config.unsafe:
         notes.append("UNSAFE: " + "; ".join(f"{n}: {r}" for n, r in config.guard_rail_violations()))
     return Plan(config, reasons, pr, source, notes, diagnostics_plan())
