@@ -13,7 +13,7 @@ import pytest
 
 import ppokit
 from ppokit.cli import main
-from ppokit.config import ConfigError, PPOConfig
+from ppokit.config import ConfigError, PPOConfig, load_preset
 
 
 def _last_step(run_dir) -> int:
@@ -36,6 +36,21 @@ def test_a_total_that_is_not_a_whole_number_of_batches_is_said(tmp_path, capsys)
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_length_from_a_toml_file_is_said_and_a_presets_own_is_not(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('env_id = "ppokit/GridWorld-v0"\nnum_envs = 2\nnum_steps = 32\ntotal_timesteps = 100\n'
+                    "tensorboard = false\n")
+    assert main(["train", "--config", str(path), "--quiet", "--run-dir", str(tmp_path / "toml")]) == 0
+    assert "the run trains 64 steps (1 update)" in " ".join(capsys.readouterr().err.split())
+    # The gridworld preset's 20,000 steps are 78.1 batches of 256: its length, not the user's, so no line (the
+    # env refuses the kwarg at once: only the error is printed, as tests/test_custom_envs.py's real CLI run needs).
+    assert load_preset("gridworld").rounding_note() is not None
+    assert main(["train", "--preset", "gridworld", "--env-kwargs", '{"no_such_arg": 1}', "--quiet",
+                 "--run-dir", str(tmp_path / "preset")]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_arg" in err and "warning" not in err
+
+
 def test_the_plan_says_it_too(capsys):
     assert main(["plan", "--env", "CartPole-v1", "--budget", "1000", "--no-probe"]) == 0
     out = " ".join(capsys.readouterr().out.split())
@@ -45,10 +60,12 @@ def test_the_plan_says_it_too(capsys):
 
 def test_data_parallel_ranks_count_in_the_batch():
     cfg = PPOConfig(num_envs=4, num_steps=64, total_timesteps=1024)
-    assert cfg.warnings() == []
-    assert cfg.warnings(world_size=3) == [
+    assert cfg.rounding_note() is None and cfg.warnings() == []
+    assert cfg.rounding_note(world_size=3) == (
         "total_timesteps=1,024 is not a multiple of the batch (num_envs * num_steps * 3 ranks = 768): the run "
-        "trains 768 steps (1 update); 1,536 would be 2 updates"]
+        "trains 768 steps (1 update); 1,536 would be 2 updates")
+    assert cfg.rounding_note(world_size=5) is None  # below one batch: warnings() says that instead
+    assert cfg.warnings(world_size=5)[0].startswith("total_timesteps=1,024 is less than one batch")
 
 
 # ------------------------------------------------------------------ unknown flags

@@ -251,18 +251,28 @@ class PPOConfig:
 
         ``world_size``: data-parallel ranks, each collecting a batch per update (total_timesteps counts them all)."""
         out = []
-        batch = self.batch_size * world_size
-        what = "num_envs * num_steps" + (f" * {world_size} ranks" if world_size > 1 else "")
+        batch, what = self._batch(world_size)
         if self.total_timesteps < batch:
             out.append(f"total_timesteps={self.total_timesteps:,} is less than one batch ({what} = "
                        f"{batch:,}): the run trains one batch of {batch:,} steps")
-        elif self.total_timesteps % batch:
-            # Whole updates only (Trainer: total_timesteps // batch), so the remainder is never trained.
-            n = self.total_timesteps // batch
-            out.append(f"total_timesteps={self.total_timesteps:,} is not a multiple of the batch ({what} = "
-                       f"{batch:,}): the run trains {n * batch:,} steps ({n:,} update{'s' * (n != 1)}); "
-                       f"{(n + 1) * batch:,} would be {n + 1:,} updates")
         return out
+
+    def rounding_note(self, world_size: int = 1) -> str | None:
+        """The sentence saying that ``total_timesteps`` is cut to whole batches (the trainer runs
+        ``total_timesteps // batch`` updates), or None when it is a multiple of the batch or below one batch (which
+        ``warnings`` names). Said where the user chose the length: a preset's round 100k is not their choice."""
+        batch, what = self._batch(world_size)
+        n = self.total_timesteps // batch
+        if n < 1 or self.total_timesteps % batch == 0:
+            return None
+        return (f"total_timesteps={self.total_timesteps:,} is not a multiple of the batch ({what} = {batch:,}): "
+                f"the run trains {n * batch:,} steps ({n:,} update{'s' * (n != 1)}); {(n + 1) * batch:,} would be "
+                f"{n + 1:,} updates")
+
+    def _batch(self, world_size: int) -> tuple[int, str]:
+        """Env steps per update over ``world_size`` ranks, and how that number is made."""
+        what = "num_envs * num_steps" + (f" * {world_size} ranks" if world_size > 1 else "")
+        return self.batch_size * world_size, what
 
     def guard_rail_violations(self) -> list[tuple[str, str]]:
         """The (field, reason) pairs of every trust-region guard rail this config breaks."""

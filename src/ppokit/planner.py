@@ -406,7 +406,7 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
         config = PPOConfig.from_dict({k: v}, config)
         reasons[k.replace("-", "_")] = "set on the command line"
     config.validate()
-    notes += config.warnings()  # e.g. a budget that is not a whole number of batches
+    notes += [n for n in (config.rounding_note(),) if n]  # the budget was the user's choice
     if config.unsafe:
         notes.append("UNSAFE: " + "; ".join(f"{n}: {r}" for n, r in config.guard_rail_violations()))
     return Plan(config, reasons, pr, source, notes, diagnostics_plan())

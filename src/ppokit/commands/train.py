@@ -148,7 +148,11 @@ def run(args: argparse.Namespace) -> int:
                 check_stored_env_id(config.env_id, args.import_module, args.config)
             if source and not args.quiet:
                 say.print(escape(source), highlight=False, soft_wrap=True)
-            for warning in config.warnings(int(os.environ.get("WORLD_SIZE", "1") or 1)):
+            world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            warnings = config.warnings(world)
+            if args.total_timesteps is not None or args.config:  # a length the user chose, not a preset's
+                warnings += [n for n in (config.rounding_note(world),) if n]
+            for warning in warnings:
                 say.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
             result = train(config, console_enabled=not args.quiet, overwrite=args.overwrite)
     except (ConfigError, CheckpointError) as exc:
