@@ -1,9 +1,9 @@
 """``ppokit report``: one self-contained HTML page per run (no JavaScript, images embedded as base64 PNG).
 
 Sections: an UNSAFE banner when the run is stamped, a note when its checkpoint cannot be read, the doctor's
-verdict (healthy, problem or too short to judge) and findings, the training curves (return, approx KL with its warn/alert lines, clip fraction with its healthy band and drift line, explained
-variance, entropy, learning rate, SPS; thresholds from ``schema.py``), the alerts on a timeline plus their table,
-and the config table.
+verdict (healthy, problem or too short to judge) and findings, the training curves (return, approx KL with its
+warn/alert lines, clip fraction with its healthy band and drift line, explained variance, entropy, learning rate,
+SPS; thresholds from ``schema.py``), the alerts on a timeline plus their table, and the config table.
 """
 
 from __future__ import annotations
