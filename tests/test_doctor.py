@@ -335,6 +335,8 @@ def test_an_unreadable_checkpoint_is_named_by_doctor_and_report(tmp_path, capsys
     assert [f.cause for f in d.findings if f.cause not in ("checkpoint_unreadable", "healthy")] == \
         [c for c in before if c != "healthy"]
     assert d.findings[-1].cause == "checkpoint_unreadable"
+    assert before[0] == "healthy"  # the preset learns CartPole within 6000 steps: the metrics' verdict stays said
+    assert next(f for f in d.findings if f.cause == "healthy").title == "the metrics show a healthy run"
     assert main(["doctor", str(run_dir)]) == 1
     out = capsys.readouterr().out
     assert "[PROBLEM] the checkpoint cannot be read" in out and "Traceback" not in out

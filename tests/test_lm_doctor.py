@@ -170,6 +170,7 @@ def test_a_real_dpo_run_whose_accuracy_jumps_at_once(tmp_path, capsys, iteration
     trainer = DPOTrainer(model, tok, pairs=pairs, config=LMConfig(learning_rate=3e-3, batch_prompts=4, beta=0.5),
                          run_dir=tmp_path / "dpo")
     accuracy = [m[S.DPO_PREF_ACCURACY] for m in trainer.train(iterations)]
+    trainer.save(tmp_path / "dpo")
     trainer.close()
     assert accuracy[0] == 0.0 and accuracy[-1] == 1.0, accuracy
     d = diagnose(tmp_path / "dpo")
@@ -177,6 +178,15 @@ def test_a_real_dpo_run_whose_accuracy_jumps_at_once(tmp_path, capsys, iteration
     assert "reward" not in d.to_text().replace("dpo/", ""), d.to_text()
     assert main(["doctor", str(tmp_path / "dpo")]) == 0
     assert ("HEALTHY" if verdict == "healthy" else "TOO SHORT TO JUDGE: 3 iteration(s)") in capsys.readouterr().out
+    if verdict == "healthy":  # an LM run's checkpoint, truncated: named in one line, the metrics still judged
+        state = tmp_path / "dpo" / "trainer_state.pt"
+        with open(state, "r+b") as fh:
+            fh.truncate(state.stat().st_size // 2)
+        d = diagnose(tmp_path / "dpo")
+        assert [f.cause for f in d.problems] == ["checkpoint_unreadable"], d.to_text()
+        assert str(state) in d.problems[0].evidence[0]
+        metrics = next(f for f in d.findings if f.cause == "healthy")
+        assert metrics.title == "the metrics show a healthy run" and "dpo/pref_accuracy 0 in" in metrics.evidence[0]
 
 
 def test_gymnasium_runs_keep_their_doctor(tmp_path):

@@ -167,6 +167,12 @@ def load_run(run_dir: str | Path) -> RunData:
     return RunData(run_dir, cols, alerts, config, kind, dim, unsafe, ckpt_error)
 
 
+def healthy_note(trend_text: str, checkpoint_ok: bool = True) -> Finding:
+    """The note of a run the rules found nothing wrong with (its metrics only, when the checkpoint is not ok)."""
+    return Finding("healthy", "healthy run" if checkpoint_ok else "the metrics show a healthy run", [trend_text],
+                   "nothing to fix" if checkpoint_ok else "nothing to fix in the training", severity="note")
+
+
 def checkpoint_finding(run: RunData) -> Finding | None:
     """The run's checkpoint exists but cannot be read (truncated, flipped bytes, not a checkpoint): one line."""
     if run.checkpoint_error is None:
@@ -234,7 +240,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
             c.findings.append(finding)
     findings = c.findings
     if not flat and not c.problems():
-        findings.insert(0, Finding("healthy", "healthy run", [trend_text], "nothing to fix", severity="note"))
+        findings.insert(0, healthy_note(trend_text))
     findings += [f for f in (rule(c) for rule in NOTES) if f is not None]
     problems = c.problems()
     if not problems and flat:
@@ -243,7 +249,8 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         findings.insert(0, problems[0])
     unreadable = checkpoint_finding(run)
     if unreadable is not None:
-        findings = [f for f in findings if f.cause != "healthy"] + [unreadable]
+        findings = [healthy_note(f.evidence[0], False) if f.cause == "healthy" else f for f in findings]
+        findings.append(unreadable)
         problems.append(unreadable)
     findings.sort(key=lambda f: (f.severity != "problem" and f.cause != "healthy",
                                  ORDER.index(f.cause) if f.cause in ORDER else len(ORDER)))

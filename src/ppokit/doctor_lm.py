@@ -279,7 +279,7 @@ _ORDER = ["nonfinite", "reward_hacking", "length_collapse", "eos_lost", "diversi
 
 def diagnose_lm(run: RunData) -> Diagnosis:
     """The LM rules above on ``run``; a ``Diagnosis`` like the Gymnasium doctor's."""
-    from .doctor import Diagnosis, checkpoint_finding, too_short
+    from .doctor import Diagnosis, checkpoint_finding, healthy_note, too_short
 
     n = len(run.updates)
     if n == 0:
@@ -310,15 +310,17 @@ def diagnose_lm(run: RunData) -> Diagnosis:
     # The Gymnasium doctor's notes (never a problem): KL at the warn level, an unsafe config, monitoring off.
     findings += [f for f in (_rule_kl_high(context), _rule_unsafe(context), _rule_monitoring_off(context))
                  if f is not None]
-    unreadable = checkpoint_finding(run)
-    if unreadable is not None:
-        findings.append(unreadable)
     findings.sort(key=lambda f: (f.severity != "problem",
                                  _ORDER.index(f.cause) if f.cause in _ORDER else len(_ORDER)))
+    unreadable = checkpoint_finding(run)
+    if unreadable is not None and not any(f.severity == "problem" for f in findings):
+        findings.insert(0, healthy_note(trend_text, checkpoint_ok=False))
+    if unreadable is not None:
+        findings.insert(sum(f.severity == "problem" for f in findings), unreadable)
     problems = [f for f in findings if f.severity == "problem"]
     healthy = not problems
     if healthy:
-        findings.insert(0, Finding("healthy", "healthy run", [trend_text], "nothing to fix", severity="note"))
+        findings.insert(0, healthy_note(trend_text))
         summary = "HEALTHY: no problem found. " + trend_text
     else:
         summary = f"{len(problems)} problem(s) found; fix the first one first: {problems[0].title}"
