@@ -4,6 +4,7 @@ finding must name it; a healthy CartPole run must be reported healthy (exit 0)."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -314,11 +315,19 @@ def test_a_three_update_atari_run_is_too_short_to_judge(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["verdict"] == "too_short"
 
 
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """One real CartPole run (the preset, 6000 steps) with its checkpoint, for tests that damage a copy of it."""
+    return _run(tmp_path_factory.mktemp("trained"), "run", total_timesteps=6000)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not_a_checkpoint"])
-def test_an_unreadable_checkpoint_is_named_by_doctor_and_report(tmp_path, capsys, damage):
+def test_an_unreadable_checkpoint_is_named_by_doctor_and_report(trained_run, tmp_path, capsys, damage):
+    import shutil
+
     from ppokit.report import build_report
 
-    run_dir = _run(tmp_path, "ckpt", total_timesteps=6000)
+    run_dir = Path(shutil.copytree(trained_run, tmp_path / "ckpt"))
     ckpt = run_dir / "checkpoint.pt"
     assert "checkpoint_unreadable" not in {f.cause for f in diagnose(run_dir).findings}
     before = [f.cause for f in diagnose(run_dir).findings]
