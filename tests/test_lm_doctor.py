@@ -148,7 +148,45 @@ def test_dpo_run_is_judged_by_its_preference_accuracy(tmp_path):
     up = {S.DPO_PREF_ACCURACY: _ramp(0.5, 0.95), S.POLICY_LOSS: _ramp(0.69, 0.2)}
     assert diagnose(_run(tmp_path, "up", algo="dpo", **up)).healthy
     flat = {S.DPO_PREF_ACCURACY: [0.5] * N, S.POLICY_LOSS: [0.69] * N}
-    assert _causes(diagnose(_run(tmp_path, "flat", algo="dpo", **flat))) == ["score_flat"]
+    d = diagnose(_run(tmp_path, "flat", algo="dpo", **flat))
+    assert _causes(d) == ["score_flat"]
+    # DPO has no reward: no finding of its run speaks of one.
+    assert d.findings[0].title.startswith("the preference accuracy did not improve")
+    assert "reward" not in d.to_text().replace("dpo/", ""), d.to_text()
+
+
+@pytest.mark.parametrize("iterations,verdict", [(20, "healthy"), (3, "too_short")])
+def test_a_real_dpo_run_whose_accuracy_jumps_at_once(tmp_path, capsys, iterations, verdict):
+    # DPO's first step scores every pair 0 (the policy is pi_ref, so chosen and rejected tie); the tiny model then
+    # ranks all pairs right from its second step: accuracy 0.0 -> 1.0. The doctor used to average the jump into
+    # its start window and report "the score did not improve ... check that the reward can vary".
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    from ppokit.lm import DPOTrainer, LMConfig
+    from ppokit.lm.tiny import build_tiny
+
+    model, tok = build_tiny("ABX:", pad_is_eos=True, seed=0)
+    pairs = [(p, "XXXX", "ABAB") for p in ("X:", "AB:", "BXAX:", "A:")]
+    pairs += [(p, "XAXX", "BBAA") for p in ("X:", "AB:", "BXAX:", "A:")]
+    trainer = DPOTrainer(model, tok, pairs=pairs, config=LMConfig(learning_rate=3e-3, batch_prompts=4, beta=0.5),
+                         run_dir=tmp_path / "dpo")
+    accuracy = [m[S.DPO_PREF_ACCURACY] for m in trainer.train(iterations)]
+    trainer.save(tmp_path / "dpo")
+    trainer.close()
+    assert accuracy[0] == 0.0 and accuracy[-1] == 1.0, accuracy
+    d = diagnose(tmp_path / "dpo")
+    assert d.verdict == verdict and not d.problems, d.to_text()
+    assert "reward" not in d.to_text().replace("dpo/", ""), d.to_text()
+    assert main(["doctor", str(tmp_path / "dpo")]) == 0
+    assert ("HEALTHY" if verdict == "healthy" else "TOO SHORT TO JUDGE: 3 iteration(s)") in capsys.readouterr().out
+    if verdict == "healthy":  # an LM run's checkpoint, truncated: named in one line, the metrics still judged
+        state = tmp_path / "dpo" / "trainer_state.pt"
+        with open(state, "r+b") as fh:
+            fh.truncate(state.stat().st_size // 2)
+        d = diagnose(tmp_path / "dpo")
+        assert [f.cause for f in d.problems] == ["checkpoint_unreadable"], d.to_text()
+        assert str(state) in d.problems[0].evidence[0]
+        metrics = next(f for f in d.findings if f.cause == "healthy")
+        assert metrics.title == "the metrics show a healthy run" and "dpo/pref_accuracy 0 in" in metrics.evidence[0]
 
 
 def test_gymnasium_runs_keep_their_doctor(tmp_path):

@@ -12,7 +12,11 @@ below, in this rank order (the first finding is the one to fix first):
 7. critic never learning (explained variance never > 0);
 8. clip fraction ~0 with a flat return and none of the above: the steps are simply too small.
 
-A run with none of these is reported healthy (exit code 0); otherwise exit code 1.
+A run with none of these is reported healthy (exit code 0); otherwise exit code 1. A run with fewer than
+``MIN_UPDATES_TO_JUDGE`` updates gets no verdict: "too short to judge" (exit code 0: nothing is wrong with it, there
+is too little of it), its findings listed as notes. The return's trend (``doctor_rules.trend``) compares the start
+(before the first jump) with the last quarter, against the curve's own noise rather than a fraction of the start.
+A checkpoint that exists but cannot be read is a finding of its own; the metrics are still diagnosed.
 
 Each step is a small rule function in ``doctor_rules.RULES`` (in this order) returning a finding or None. Where the live
 monitor watches the same problem, the verdict is the monitor's own function (``monitor.reward_signal``,
@@ -39,10 +43,15 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from . import schema as S
-from .doctor_rules import NOTES, ORDER, RULES, Finding, RuleContext, checklist, fin, quarters
+from .doctor_rules import (MIN_UPDATES_TO_JUDGE, NOTES, ORDER, RULES, Finding, RuleContext, checklist, fin, quarters,
+                           trend)
 from .monitor import episode_time_limit
 
-__all__ = ["Finding", "Diagnosis", "diagnose", "RunData", "load_run", "RULES"]
+__all__ = ["Finding", "Diagnosis", "diagnose", "RunData", "load_run", "RULES", "MIN_UPDATES_TO_JUDGE",
+           "RETURN_RISE_REL", "too_short", "checkpoint_finding"]
+
+# A rise smaller than 1% of the start's magnitude is flat however steady it is (a noise-free curve has noise 0).
+RETURN_RISE_REL = 0.01
 
 
 @dataclass
@@ -54,6 +63,11 @@ class Diagnosis:
     findings: list[Finding]
     checks: list[str]
     summary: str
+    verdict: str = ""  # healthy | problem | too_short
+
+    def __post_init__(self) -> None:
+        if not self.verdict:
+            self.verdict = "healthy" if self.healthy else "problem"
 
     @property
     def problems(self) -> list[Finding]:
@@ -62,8 +76,8 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``ppokit doctor --json``)."""
-        return {"run_dir": self.run_dir, "healthy": self.healthy, "summary": self.summary, "checks": self.checks,
-                "findings": [asdict(f) for f in self.findings]}
+        return {"run_dir": self.run_dir, "healthy": self.healthy, "verdict": self.verdict, "summary": self.summary,
+                "checks": self.checks, "findings": [asdict(f) for f in self.findings]}
 
     def to_text(self) -> str:
         """Plain-text report: summary, Q3 checklist, then each finding with evidence and fix."""
@@ -91,6 +105,7 @@ class RunData:
     action_kind: str | None
     action_dim: int
     unsafe: bool
+    checkpoint_error: str | None = None  # one line naming the file and why: it exists but cannot be read
 
     def col(self, name: str) -> list[float]:
         """A metrics column (NaN-filled when absent)."""
@@ -126,29 +141,68 @@ def load_run(run_dir: str | Path) -> RunData:
             config = tomllib.loads((run_dir / "config.toml").read_text())
         except tomllib.TOMLDecodeError:
             config = {}
-    kind, dim = None, 1
-    ckpt_path = run_dir / "checkpoint.pt"
+    kind, dim, ckpt_error = None, 1, None
+    from .doctor_lm import LM_META, lm_run_config
+
+    if (run_dir / LM_META).is_file():
+        from .lm.base import CHECKPOINT as ckpt_name
+    else:
+        from .trainer_state import CHECKPOINT_NAME as ckpt_name
+    ckpt_path = run_dir / ckpt_name
     if ckpt_path.is_file():
+        from .checkpoint import CheckpointError, load_checkpoint, one_line
+
         try:
-            from .checkpoint import load_checkpoint
-
-            spec = load_checkpoint(ckpt_path).get("policy_spec", {})
-            kind = spec.get("kind")
+            state = load_checkpoint(ckpt_path)
+            spec = state.get("policy_spec") or {}
+            kind = spec.get("kind") if isinstance(spec, dict) else None
             dim = int((spec.get("action_dims") or [1])[0]) if kind == "continuous" else 1
-        except Exception:  # noqa: BLE001 - a damaged checkpoint must not stop the diagnosis
-            kind = None
+        except Exception as exc:  # noqa: BLE001 - a damaged checkpoint is reported, and the metrics still read
+            # CheckpointError's message names the file and the reason; anything else gets the file's name added.
+            why = " ".join(str(exc).split()) if isinstance(exc, CheckpointError) else one_line(exc)
+            kind, dim, ckpt_error = None, 1, why if str(ckpt_path) in why else f"{ckpt_path}: {why}"
     if not config:  # a language-model run keeps its config in lm_run.json
-        from .doctor_lm import lm_run_config
-
         config = lm_run_config(run_dir)
     unsafe = bool(config.get("unsafe")) or (run_dir / "UNSAFE").exists()
-    return RunData(run_dir, cols, alerts, config, kind, dim, unsafe)
+    return RunData(run_dir, cols, alerts, config, kind, dim, unsafe, ckpt_error)
+
+
+def healthy_note(trend_text: str, checkpoint_ok: bool = True) -> Finding:
+    """The note of a run the rules found nothing wrong with (its metrics only, when the checkpoint is not ok)."""
+    return Finding("healthy", "healthy run" if checkpoint_ok else "the metrics show a healthy run", [trend_text],
+                   "nothing to fix" if checkpoint_ok else "nothing to fix in the training", severity="note")
+
+
+def checkpoint_finding(run: RunData) -> Finding | None:
+    """The run's checkpoint exists but cannot be read (truncated, flipped bytes, not a checkpoint): one line."""
+    if run.checkpoint_error is None:
+        return None
+    return Finding("checkpoint_unreadable", "the checkpoint cannot be read", [run.checkpoint_error],
+                   "resume, eval and load need it: restore it from a copy or retrain; the metrics above are "
+                   "still read from metrics.csv")
+
+
+def too_short(diagnosis: Diagnosis, n: int, unit: str) -> Diagnosis:
+    """``diagnosis`` of a run with fewer than ``MIN_UPDATES_TO_JUDGE`` updates: no verdict, its findings notes."""
+    if n >= MIN_UPDATES_TO_JUDGE:
+        return diagnosis
+    notes = [Finding(f.cause, f.title, f.evidence, f.fix, f.updates, severity="note")
+             for f in diagnosis.findings if f.cause != "healthy"]
+    head = Finding("too_short", "too short to judge",
+                   [f"{n} {unit}(s) logged; the doctor judges a run from {MIN_UPDATES_TO_JUDGE} {unit}s on"],
+                   f"train for at least {MIN_UPDATES_TO_JUDGE} {unit}s, then run the doctor again", severity="note")
+    summary = (f"TOO SHORT TO JUDGE: {n} {unit}(s), fewer than the {MIN_UPDATES_TO_JUDGE} the doctor needs; "
+               "the notes below are what they show, not a verdict")
+    return Diagnosis(diagnosis.run_dir, False, [head, *notes], [], summary, "too_short")
 
 
 def return_trend(run: RunData) -> tuple[bool, str]:
-    """``(flat, evidence)``: flat when the last quarter's mean return is not clearly above the first quarter's.
+    """``(flat, evidence)`` of the per-update return (``doctor_rules.trend``): flat unless the last quarter's mean
+    is clearly above the start's, by more than ``TREND_SIGMAS`` noise sigmas and ``RETURN_RISE_REL`` of |start|.
 
-    "Clearly above" = by more than max(50% of |first|, one std of the first quarter's per-update returns).
+    The first update is left out once the run is long enough to judge: only the episodes shorter than the rollout
+    end in it, so its mean is biased low (measured: 15.9 against ~24 for the same fixed random CartPole policy in
+    the updates after it, with lr 0 and with ent_coef 5).
     """
     ret = run.col(S.EPISODIC_RETURN)
     first, last = quarters(ret)
@@ -157,10 +211,11 @@ def return_trend(run: RunData) -> tuple[bool, str]:
         if not allr:
             return True, "no episode finished during the run"
         return False, f"too few finished episodes to judge the trend (mean return {statistics.fmean(allr):.4g})"
-    a, b = statistics.fmean(first), statistics.fmean(last)
-    sd = statistics.pstdev(first) if len(first) > 1 else 0.0
-    flat = b <= a + max(0.5 * abs(a), sd)
-    return flat, f"mean return {a:.4g} in the first quarter of updates -> {b:.4g} in the last quarter"
+    skip = 1 if len(fin(ret)) >= MIN_UPDATES_TO_JUDGE else 0
+    t = trend(ret[skip:] if fin(ret[skip:]) else ret, lambda start: RETURN_RISE_REL * abs(start))
+    where = f"{t.start_len} update(s)" + (" after the first" if skip else "")
+    return not t.rose, (f"mean return {t.start:.4g} at the start ({where}) -> {t.end:.4g} in the last quarter "
+                        f"(best {t.best:.4g}, noise {t.noise:.2g})")
 
 
 def diagnose(run_dir: str | Path) -> Diagnosis:
@@ -175,26 +230,31 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         f = Finding("no_updates", "the run logged no update", ["metrics.csv has no rows"],
                     "let the run finish at least one update (total_timesteps >= num_envs * num_steps)")
         return Diagnosis(str(run_dir), False, [f], [], "no data")
-    flat, trend = return_trend(run)
+    flat, trend_text = return_trend(run)
     env_kwargs = run.config.get("env_kwargs")
-    c = RuleContext(run, n, flat, trend, episode_time_limit(run.config.get("env_id"),
-                                                          env_kwargs if isinstance(env_kwargs, dict) else None))
+    c = RuleContext(run, n, flat, trend_text, episode_time_limit(run.config.get("env_id"),
+                                                               env_kwargs if isinstance(env_kwargs, dict) else None))
     for rule in RULES:
         finding = rule(c)
         if finding is not None:
             c.findings.append(finding)
     findings = c.findings
     if not flat and not c.problems():
-        findings.insert(0, Finding("healthy", "healthy run", [trend], "nothing to fix", severity="note"))
+        findings.insert(0, healthy_note(trend_text))
     findings += [f for f in (rule(c) for rule in NOTES) if f is not None]
     problems = c.problems()
     if not problems and flat:
-        problems.append(Finding("return_flat", "the return did not improve, with no other symptom", [trend],
+        problems.append(Finding("return_flat", "the return did not improve, with no other symptom", [trend_text],
                                 "train longer (budget), or re-plan with `ppokit plan`"))
         findings.insert(0, problems[0])
+    unreadable = checkpoint_finding(run)
+    if unreadable is not None:
+        findings = [healthy_note(f.evidence[0], False) if f.cause == "healthy" else f for f in findings]
+        findings.append(unreadable)
+        problems.append(unreadable)
     findings.sort(key=lambda f: (f.severity != "problem" and f.cause != "healthy",
                                  ORDER.index(f.cause) if f.cause in ORDER else len(ORDER)))
     healthy = not problems
-    summary = ("HEALTHY: no problem found. " + trend) if healthy else (
+    summary = ("HEALTHY: no problem found. " + trend_text) if healthy else (
         f"{len(problems)} problem(s) found; fix the first one first: {problems[0].title}")
-    return Diagnosis(str(run_dir), healthy, findings, checklist(c) if c.q3 else [], summary)
+    return too_short(Diagnosis(str(run_dir), healthy, findings, checklist(c) if c.q3 else [], summary), n, "update")

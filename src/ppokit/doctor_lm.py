@@ -15,6 +15,11 @@ in rank order (the first finding is the one to fix first):
    ``CLIPFRAC_HIGH``: the Gymnasium doctor's own rules (``doctor_rules``), one verdict for both kinds of run;
 7. the policy not moving (clip fraction ~0 and approx KL negligible all run) and 8. the score flat.
 
+A DPO run has no reward (it learns from preference pairs): it is judged by its preference accuracy, and none of
+the reward-based rules (2-4, and the flat score's "check that the reward can vary") applies to it. A run of fewer
+than ``MIN_UPDATES_TO_JUDGE`` iterations is "too short to judge", and an unreadable ``trainer_state.pt`` a finding
+of its own, as in the Gymnasium doctor.
+
 Notes, which never make a run unhealthy: approx KL at the warn level on some iterations, an unsafe config,
 monitoring switched off (the Gymnasium doctor's notes), and groups with zero reward variance once the score rose.
 
@@ -32,13 +37,13 @@ from typing import TYPE_CHECKING
 
 from . import schema as S
 from .doctor_rules import (Finding, RuleContext, _rule_clipfrac_high, _rule_kl_blowup, _rule_kl_high,
-                           _rule_monitoring_off, _rule_unsafe, fin, quarters)
+                           _rule_monitoring_off, _rule_unsafe, fin, quarters, trend)
 from .monitor import longest_run
 
 if TYPE_CHECKING:
     from .doctor import Diagnosis, RunData
 
-__all__ = ["is_lm_run", "diagnose_lm", "LM_CURVES", "lm_curves", "KL_REF_RUNAWAY", "KL_REF_GROWTH"]
+__all__ = ["is_lm_run", "is_dpo_run", "diagnose_lm", "LM_CURVES", "lm_curves", "KL_REF_RUNAWAY", "KL_REF_GROWTH"]
 
 SCORE = S.SCORE_MEAN
 KL_REF = S.KL_REF
@@ -91,6 +96,11 @@ def is_lm_run(run: RunData) -> bool:
             or DPO_ACCURACY in run.cols)
 
 
+def is_dpo_run(run: RunData) -> bool:
+    """A DPO run: its config says so, or it logged the preference accuracy and no score (it has no reward)."""
+    return run.config.get("algo") == "dpo" or (DPO_ACCURACY in run.cols and SCORE not in run.cols)
+
+
 def lm_run_config(run_dir: Path) -> dict:
     """The config an LM trainer wrote into ``lm_run.json`` (its LMConfig fields plus ``algo``), {} when absent or
     unreadable (the doctor reads what is there; it never fails on a damaged file)."""
@@ -127,18 +137,14 @@ def _start_mean(run: RunData, name: str) -> float:
 
 
 def score_trend(run: RunData, column: str = SCORE) -> tuple[bool, str]:
-    """``(rising, evidence)``: the last quarter's mean score clearly above the start's (``_start_len``):
-    by more than ``SCORE_RISE_MIN`` (relative to the score's scale) and one std of the start."""
-    values = run.col(column)
-    n = len(values)
-    start = fin(values[:_start_len(n)])
-    last = quarters(values)[1]
-    if not start or not last:
+    """``(rising, evidence)``: the last quarter's mean score clearly above the start's (``doctor_rules.trend``:
+    the first tenth of the iterations, cut before the first jump, so DPO's accuracy 0 -> 1 at its second step
+    is a rise): by more than ``SCORE_RISE_MIN`` (relative to the score's scale) and the curve's noise."""
+    t = trend(run.col(column), lambda start: SCORE_RISE_MIN * max(1.0, abs(start)))
+    if t is None or not quarters(run.col(column))[1]:
         return False, f"no {column} logged"
-    a, b = statistics.fmean(start), statistics.fmean(last)
-    sd = statistics.pstdev(start) if len(start) > 1 else 0.0
-    rising = b > a + max(SCORE_RISE_MIN * max(1.0, abs(a)), sd)
-    return rising, f"mean {column} {a:.4g} in the first {_start_len(n)} iteration(s) -> {b:.4g} in the last quarter"
+    return t.rose, (f"mean {column} {t.start:.4g} in the first {t.start_len} iteration(s) -> {t.end:.4g} in the "
+                    "last quarter")
 
 
 # ---------------------------------------------------------------- rules
@@ -273,39 +279,49 @@ _ORDER = ["nonfinite", "reward_hacking", "length_collapse", "eos_lost", "diversi
 
 def diagnose_lm(run: RunData) -> Diagnosis:
     """The LM rules above on ``run``; a ``Diagnosis`` like the Gymnasium doctor's."""
-    from .doctor import Diagnosis
+    from .doctor import Diagnosis, checkpoint_finding, healthy_note, too_short
 
     n = len(run.updates)
     if n == 0:
         f = Finding("no_updates", "the run logged no iteration", ["metrics.csv has no rows"],
                     "let the run finish at least one iteration")
         return Diagnosis(str(run.run_dir), False, [f], [], "no data")
-    # DPO has no score (no sampling): its progress is the preference accuracy.
-    rising, trend = score_trend(run, SCORE if SCORE in run.cols else DPO_ACCURACY)
+    # DPO has no score (no sampling) and no reward: its progress is the preference accuracy.
+    dpo = is_dpo_run(run)
+    rising, trend_text = score_trend(run, DPO_ACCURACY if dpo else SCORE)
     findings: list[Finding] = []
-    for f in (_rule_nonfinite(run, n), _rule_reward_hacking(run, n, rising, trend), *_rule_length(run, n),
-              _rule_diversity(run, n), _rule_zero_std(run, n, rising)):
+    reward_rules = () if dpo else (_rule_reward_hacking(run, n, rising, trend_text), *_rule_length(run, n),
+                                   _rule_zero_std(run, n, rising))
+    for f in (_rule_nonfinite(run, n), *reward_rules, _rule_diversity(run, n)):
         if f is not None:
             findings.append(f)
     # The trust-region rules are the Gymnasium doctor's own (one verdict, the schema's thresholds).
-    context = RuleContext(run, n, not rising, trend, None)
+    context = RuleContext(run, n, not rising, trend_text, None)
     findings += [f for f in (_rule_kl_blowup(context), _rule_clipfrac_high(context)) if f is not None]
     moving = _rule_not_moving(run, n)
     if moving is not None:
         findings.append(moving)
     if not rising and not any(f.severity == "problem" for f in findings):
-        findings.append(Finding("score_flat", "the score did not improve, with no other symptom", [trend],
+        what = "preference accuracy" if dpo else "score"
+        findings.append(Finding("score_flat", f"the {what} did not improve, with no other symptom", [trend_text],
+                                "train longer, raise learning_rate or beta, or check that the chosen and rejected "
+                                "responses of a pair differ" if dpo else
                                 "train longer, raise learning_rate, or check that the reward can vary"))
     # The Gymnasium doctor's notes (never a problem): KL at the warn level, an unsafe config, monitoring off.
     findings += [f for f in (_rule_kl_high(context), _rule_unsafe(context), _rule_monitoring_off(context))
                  if f is not None]
     findings.sort(key=lambda f: (f.severity != "problem",
                                  _ORDER.index(f.cause) if f.cause in _ORDER else len(_ORDER)))
+    unreadable = checkpoint_finding(run)
+    if unreadable is not None and not any(f.severity == "problem" for f in findings):
+        findings.insert(0, healthy_note(trend_text, checkpoint_ok=False))
+    if unreadable is not None:
+        findings.insert(sum(f.severity == "problem" for f in findings), unreadable)
     problems = [f for f in findings if f.severity == "problem"]
     healthy = not problems
     if healthy:
-        findings.insert(0, Finding("healthy", "healthy run", [trend], "nothing to fix", severity="note"))
-        summary = "HEALTHY: no problem found. " + trend
+        findings.insert(0, healthy_note(trend_text))
+        summary = "HEALTHY: no problem found. " + trend_text
     else:
         summary = f"{len(problems)} problem(s) found; fix the first one first: {problems[0].title}"
-    return Diagnosis(str(run.run_dir), healthy, findings, [], summary)
+    return too_short(Diagnosis(str(run.run_dir), healthy, findings, [], summary), n, "iteration")

@@ -9,8 +9,10 @@ doctor give one verdict (see ``doctor``'s docstring for the order and its source
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,19 @@ from .schema import ADV_CONST, CLIPFRAC_HEALTHY, ENTROPY_PINNED, GRAD_ZERO, KL_B
 if TYPE_CHECKING:
     from .doctor import RunData
 
-__all__ = ["Finding", "RuleContext", "RULES", "NOTES", "ORDER", "checklist", "fin", "quarters"]
+__all__ = ["Finding", "RuleContext", "RULES", "NOTES", "ORDER", "checklist", "fin", "quarters", "Trend", "trend",
+           "MIN_UPDATES_TO_JUDGE", "TREND_SIGMAS", "raise_fix"]
+
+# Below this many updates (Gymnasium) or iterations (LM) the doctor gives no verdict ("too short to judge"): the
+# trend compares a start window with the last quarter, which needs two or more values per quarter to be apart
+# from the start, and the live rules' patience (``reward_patience``, ``clipfrac_patience``) is 5 updates.
+MIN_UPDATES_TO_JUDGE = 8
+# A rise (or a fall from the best level) counts when it exceeds this many noise sigmas of one update's value
+# (``trend``): a flat run with Gaussian noise crosses 3 sigmas on ~0.1% of its updates.
+TREND_SIGMAS = 3.0
+# For iid Gaussian noise, consecutive differences are N(0, 2 sigma^2), whose median absolute value is
+# 0.6745 * sqrt(2) * sigma = 0.954 sigma; a trend or one jump moves few differences, so the median ignores them.
+_MEDIAN_ABS_DIFF_PER_SIGMA = 0.6745 * math.sqrt(2.0)
 
 
 @dataclass
@@ -56,6 +70,50 @@ def quarters(xs: list[float]) -> tuple[list[float], list[float]]:
     n = len(xs)
     q = max(1, n // 4)
     return fin(xs[:q]), fin(xs[n - q:])
+
+
+@dataclass(frozen=True)
+class Trend:
+    """A curve's start and end levels, the best level it reached, its noise, and whether it rose."""
+
+    start: float  # mean of the start window (the values before the curve's first jump)
+    start_len: int
+    end: float  # mean of the last quarter
+    best: float  # the best mean of any window as long as the last quarter: what the run reached
+    noise: float  # robust sigma of one value (from consecutive differences)
+    rose: bool  # end clearly above start
+
+
+def trend(values: list[float], rise_min: Callable[[float], float]) -> Trend | None:
+    """The trend of ``values`` (one per update, NaN where none was measured); None with no finite value.
+
+    The start window is the first tenth of the values, cut before the first jump larger than ``TREND_SIGMAS``
+    noise sigmas: a window that holds the jump itself (DPO's accuracy 0 -> 1 at its second step, a return that
+    rises within the first updates) has a mean that is neither the start nor the end. "Clearly" = by more than
+    ``max(TREND_SIGMAS * noise, rise_min(start))``: against the curve's own noise, estimated from consecutive
+    differences (their median, which a trend or a jump barely moves), not against a fraction of the start, so a
+    run that starts near the best it can reach (0.96 -> 0.98 on a corridor whose optimum is 0.98) still rose.
+    """
+    xs = fin(values)
+    if not xs:
+        return None
+    diffs = [abs(b - a) for a, b in itertools.pairwise(xs)]
+    noise = statistics.median(diffs) / _MEDIAN_ABS_DIFF_PER_SIGMA if diffs else 0.0
+    k = max(1, len(xs) // 10)
+    jump = next((i for i in range(1, k) if diffs[i - 1] > TREND_SIGMAS * noise), k)
+    start = statistics.fmean(xs[:jump])
+    q = max(1, len(xs) // 4)
+    end = statistics.fmean(xs[-q:])
+    best = max(statistics.fmean(xs[i:i + q]) for i in range(len(xs) - q + 1))
+    return Trend(start, jump, end, best, noise, end > start + max(TREND_SIGMAS * noise, rise_min(start)))
+
+
+def raise_fix(name: str, current: Any, example: float) -> str:
+    """"raise NAME ..." relative to the config's value, never suggesting the value it already has."""
+    if isinstance(current, (int, float)) and not isinstance(current, bool) and current > 0:
+        return f"raise {name} above {current:g} (e.g. {max(2 * current, example):g})"
+    return f"raise {name} from {current!r} (e.g. {example:g})" if current is not None else \
+        f"raise {name} (e.g. {example:g})"
 
 
 
@@ -272,6 +330,8 @@ def _rule_entropy_collapse(c: RuleContext) -> Finding | None:
     if not collapsed:
         return None
     rule = entropy_collapse(h0, collapsed[0][1], kind, run.action_dim)
+    # ``c.flat`` is judged against the return's own noise (``trend``): a policy that converged at the level it
+    # rose to, however close to its start, is not a collapse.
     if c.flat:
         c.entropy_bad = True
         return Finding(
@@ -279,11 +339,13 @@ def _rule_entropy_collapse(c: RuleContext) -> Finding | None:
             [f"entropy {rule} from update {collapsed[0][0]} on ({len(collapsed)}/{n} updates): "
              f"{_show(collapsed, 3)}", c.trend, f"config: ent_coef {run.config.get('ent_coef')!r}, "
              f"learning_rate {c.cfg_lr!r}"],
-            "raise ent_coef (e.g. 0.01) and/or lower learning_rate so the policy keeps exploring",
+            raise_fix("ent_coef", run.config.get("ent_coef"), 0.01)
+            + " and/or lower learning_rate so the policy keeps exploring",
             [collapsed[0][0]])
     return Finding("entropy_low", "entropy fell a lot while the return rose (convergence)",
                    [f"entropy {rule} from update {collapsed[0][0]}", c.trend],
-                   "nothing to do if the return is at its optimum; otherwise raise ent_coef",
+                   "nothing to do if the return is at its optimum; otherwise "
+                   + raise_fix("ent_coef", run.config.get("ent_coef"), 0.01),
                    [collapsed[0][0]], severity="note")
 
 

@@ -1,9 +1,9 @@
 """``ppokit report``: one self-contained HTML page per run (no JavaScript, images embedded as base64 PNG).
 
-Sections: an UNSAFE banner when the run is stamped, the doctor's verdict and findings, the training curves
-(return, approx KL with its warn/alert lines, clip fraction with its healthy band and drift line, explained
-variance, entropy, learning rate, SPS; thresholds from ``schema.py``), the alerts on a timeline plus their table,
-and the config table.
+Sections: an UNSAFE banner when the run is stamped, a note when its checkpoint cannot be read, the doctor's
+verdict (healthy, problem or too short to judge) and findings, the training curves (return, approx KL with its
+warn/alert lines, clip fraction with its healthy band and drift line, explained variance, entropy, learning rate,
+SPS; thresholds from ``schema.py``), the alerts on a timeline plus their table, and the config table.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ h1{font-size:1.5em;margin-bottom:4px}h2{border-bottom:1px solid #ddd;padding-bot
 .unsafe-banner{background:#b00020;color:#fff;font-weight:bold;padding:12px 16px;font-size:1.2em;border-radius:4px}
 .verdict{padding:10px 14px;border-radius:4px;font-weight:bold}
 .healthy{background:#e6f4ea;color:#1e6b2f}.problem{background:#fdecea;color:#8a1c12}
+.too_short{background:#fff4e0;color:#7a4b00}
+.ckpt-note{background:#fff4e0;color:#7a4b00;font-weight:bold;padding:10px 14px;border-radius:4px;margin:8px 0}
 .plots{display:grid;grid-template-columns:repeat(2,1fr);gap:12px}
 .plots figure{margin:0;border:1px solid #eee;padding:6px}.plots img{width:100%;height:auto}
 figcaption{font-size:.85em;color:#555}
@@ -153,9 +155,13 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
                                                          "environment steps")
     parts.append(f"<p>Run directory <code>{_esc(run.run_dir)}</code>: {size}, "
                  f"algo {_esc(run.config.get('algo', '?'))}.</p>")
+    if run.checkpoint_error is not None:
+        parts.append(f'<div class="ckpt-note" id="checkpoint-unreadable">Checkpoint unreadable: '
+                     f"{_esc(run.checkpoint_error)}. The curves and the diagnosis below are read from metrics.csv."
+                     "</div>")
 
     # Doctor
-    cls = "healthy" if diag.healthy else "problem"
+    cls = diag.verdict
     parts.append('<h2 id="doctor">Diagnosis (ppokit doctor)</h2>')
     parts.append(f'<div class="verdict {cls}">{_esc(diag.summary)}</div>')
     if diag.checks:
