@@ -172,6 +172,9 @@ def load_model_dir(path: str, *, device: str = "cpu"):
                          "tokenizer into it with tokenizer.save_pretrained(DIR)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the CLI's stderr holds its own lines only (one line per error)
     try:
         tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).to(device)
@@ -410,6 +413,7 @@ def _train(command: str, full: argparse.Namespace) -> int:
         model = apply_lora(model, inputs["lora_r"])
 
     from ppokit.lm import DPOTrainer, GRPOTrainer, PPOTrainer
+    from ppokit.lm.checks import PromptError
 
     cls = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "dpo": DPOTrainer}[command]
     data_kw = {"pairs": data} if command == "dpo" else {"reward": reward, "prompts": data}
@@ -418,7 +422,10 @@ def _train(command: str, full: argparse.Namespace) -> int:
             trainer = cls.resume(run_dir, model, tokenizer, **data_kw)
         else:
             trainer = cls(model, tokenizer, config=config, run_dir=run_dir, **data_kw)
-    except ValueError as exc:
+    except PromptError as exc:
+        raise InputError(f"--{'pairs' if command == 'dpo' else 'prompts'} {inputs.get('pairs') or inputs['prompts']}: "
+                         f"{_first_line(exc)}") from None
+    except ValueError as exc:  # ConfigError (max_new_tokens, memory) included: it names its field
         raise InputError(_first_line(exc)) from None
     # Recorded in lm_run.json, so that --resume needs only the reward again; paths absolute (the cwd may change).
     trainer.run_info = {**inputs, **{k: str(Path(inputs[k]).resolve()) for k in ("model", "pairs", "prompts")

@@ -357,9 +357,10 @@ class LMTrainer(LMRunLifecycle):
         tmp, aside, final = (directory / f".policy.{token}.tmp", directory / f".policy.{token}.old.tmp",
                              directory / "policy")
         try:
-            self.policy.save_pretrained(tmp)
-            if hasattr(self.tokenizer, "save_pretrained"):
-                self.tokenizer.save_pretrained(tmp)
+            with _quiet_progress():  # no "Writing model shards" bar on stderr at every checkpoint
+                self.policy.save_pretrained(tmp)
+                if hasattr(self.tokenizer, "save_pretrained"):
+                    self.tokenizer.save_pretrained(tmp)
             moved = final.is_dir() and not final.is_symlink()
             if moved:
                 os.rename(final, aside)
@@ -421,6 +422,20 @@ class LMTrainer(LMRunLifecycle):
         trainer._load_extra_state(state)
         trainer._resumed_at = trainer.completions
         return trainer
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off for the block (and back on after, if they were)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def masked_stats(x: Tensor, mask: Tensor) -> tuple[float, float]:

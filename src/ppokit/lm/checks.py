@@ -76,9 +76,9 @@ def check_context(tokenizer: Any, model: Any, prompts: Sequence[str], max_new_to
     if limit is not None and longest + max_new_tokens > limit:
         i = lengths.index(longest)
         if longest >= limit:
-            raise PromptError(f"{where}[{i}] is {longest:,} tokens, more than the model's context of {limit:,} "
-                             f"positions (config.{attr}) leaves room for; shorten it to at most "
-                             f"{limit - max_new_tokens:,} tokens with max_new_tokens {max_new_tokens:,}")
+            raise PromptError(f"{where}[{i}] is {longest:,} tokens; the model's context is {limit:,} positions "
+                              f"(config.{attr}), so with max_new_tokens {max_new_tokens:,} a prompt can have at most "
+                              f"{limit - max_new_tokens:,}; shorten it")
         raise ConfigError("max_new_tokens", f"the longest prompt ({where}[{i}], {longest:,} tokens) plus "
                           f"{max_new_tokens:,} new tokens exceeds the model's context of {limit:,} positions "
                           f"(config.{attr}); use at most {limit - longest:,} or shorten the prompt")
