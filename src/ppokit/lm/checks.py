@@ -131,7 +131,10 @@ def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, resp
     never refused): ``models`` (the copies the trainer makes and AdamW's two moments and the gradient of every
     trainable weight), ``rollout`` (sampling ``rows`` sequences: the KV cache and the log-prob forwards' float32
     logits over the response) and ``update`` (one minibatch's forward and backward: the logits and ~16 hidden-size
-    activations per token and layer, the standard transformer count without the attention scores)."""
+    activations per token and layer, the standard transformer count without the attention scores).
+
+    Measured on the 10M-parameter tiny GPT-2 (GRPO, 8 x 8 completions of 32 tokens, 2 minibatches, CPU): 362 MiB
+    estimated, 427 MiB of peak RSS growth over two iterations."""
     n, trainable, itemsize, layers, hidden, vocab = _model_sizes(model)
     L, R = prompt_len + response_len, response_len
     critic = 2 if value_model else 1  # PPO's critic is a copy of the trunk, trained too
