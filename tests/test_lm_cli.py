@@ -69,6 +69,8 @@ def test_bad_model_dir(workdir, model_dir, capsys):
     broken = workdir / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
+    _one_error_line(capsys, main(_grpo(broken)), "--model", "has no tokenizer files")
+    (broken / "tokenizer_config.json").write_text("{}")
     _one_error_line(capsys, main(_grpo(broken)), "--model", "cannot be loaded")
 
 

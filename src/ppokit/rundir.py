@@ -39,7 +39,8 @@ RUN_FILES = ("config.toml", "metrics.csv", "checkpoint.pt")
 _OUTPUT_FILES = (*RUN_FILES, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
                  "trainer_state.pt", "value_model.safetensors")
 _OUTPUT_DIRS = ("tb", "videos", "wandb", "policy")  # videos: --capture-video; wandb: --track
-_TMP_CHECKPOINT_GLOB = ".checkpoint.pt.*.tmp"
+# Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their policy/ directory).
+_TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
 # Tokens of the locks this process holds: the same pid in a lock is a live owner only if it is one of these.
 _HELD: set[str] = set()
 
@@ -243,8 +244,11 @@ def claim(run_dir: str | os.PathLike, resume: bool = False, overwrite: bool = Fa
             notes.append(f"--overwrite: removed the previous run's {', '.join(_clear_outputs(run_dir))} "
                          f"from {run_dir}")
         # A checkpoint write killed midway leaves its temp file; nothing else writes here while we hold the lock.
-        for tmp in run_dir.glob(_TMP_CHECKPOINT_GLOB):
-            tmp.unlink(missing_ok=True)
+        for tmp in (t for pattern in _TMP_CHECKPOINT_GLOBS for t in run_dir.glob(pattern)):
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
     except BaseException:
         lock.release()
         raise

@@ -146,8 +146,11 @@ class TrainerLifecycle:
 
 
 
-def install_sigint(trainer: Any):
-    """First Ctrl-C: finish the current update, save, exit cleanly. Second Ctrl-C: default behaviour."""
+def install_sigint(trainer: Any, sigterm: bool = False):
+    """First Ctrl-C: finish the current update, save, exit cleanly. Second Ctrl-C: default behaviour.
+
+    ``sigterm``: SIGTERM stops the run the same way (always under torchrun); ``trainer._stop_signal`` holds the
+    number of the signal that asked, for the exit code (128 + it)."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -159,8 +162,9 @@ def install_sigint(trainer: Any):
         if trainer._stop_requested:
             raise KeyboardInterrupt
         trainer._stop_requested = True
+        trainer._stop_signal = signum
 
-    if getattr(trainer, "dist", distributed.LOCAL).active:
+    if sigterm or getattr(trainer, "dist", distributed.LOCAL).active:
         # A data-parallel rank is stopped by SIGTERM (torchrun passes its own on, as Slurm and Kubernetes send it,
         # and kills ~30 s later): finish the update and save, as for Ctrl-C; every rank agrees to stop.
         trainer._old_sigterm = signal.signal(signal.SIGTERM, handler)

@@ -17,7 +17,12 @@ import sys
 
 LM_EXTRA_HINT = "ppokit lm needs the language-model extra: pip install -e '.[lm]'"
 RUN_FILES = ("metrics.csv", "lm_run.json", "trainer_state.pt")  # what an LM trainer writes into its run dir
+# The files a tokenizer is read from (tokenizers' JSON, GPT-2/BPE, SentencePiece, WordPiece): without any of them,
+# AutoTokenizer builds an empty tokenizer from config.json alone, and every prompt encodes to no tokens.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt",
+                   "spiece.model")
 ALGOS = ("ppo", "grpo", "dpo")
+DEFAULT_ITERATIONS = 20
 
 
 class _Deferred(argparse.ArgumentParser):
@@ -83,19 +88,24 @@ def _full_parser(command: str) -> argparse.ArgumentParser:
                        help="directory for the plot and the PPO/GRPO run directories (default: runs/lm_demo)")
         p.add_argument("--quiet", action="store_true", help="print only the summary")
         return p
-    p.add_argument("--model", required=True, metavar="DIR", help="model directory (from_pretrained; no download)")
+    p.add_argument("--model", metavar="DIR", help="model directory (from_pretrained; no download); required, "
+                                                  "except with --resume (default: the run's)")
     if command == "dpo":
-        p.add_argument("--pairs", required=True, metavar="FILE",
-                       help='JSONL of {"prompt": ..., "chosen": ..., "rejected": ...} preference pairs')
+        p.add_argument("--pairs", metavar="FILE", help='JSONL of {"prompt": ..., "chosen": ..., "rejected": ...} '
+                                                       "preference pairs; required, except with --resume")
     else:
-        p.add_argument("--reward", required=True, metavar="MODULE:FUNCTION",
+        p.add_argument("--reward", metavar="MODULE:FUNCTION",
                        help="reward_fn(prompts, completions, **info) -> list[float], imported from the current "
-                            "directory (or installed packages)")
-        p.add_argument("--prompts", required=True, metavar="FILE",
-                       help='prompts: a JSONL file ({"prompt": ...} per line) or a text file (one per line)')
-    p.add_argument("--iterations", type=int, default=20, help="training iterations (DPO: optimizer steps; "
-                                                               "default: 20)")
+                            "directory (or installed packages); required, with --resume too (a run dir never "
+                            "chooses what is imported)")
+        p.add_argument("--prompts", metavar="FILE", help='prompts: a JSONL file ({"prompt": ...} per line) or a '
+                                                         "text file (one per line); required, except with --resume")
+    p.add_argument("--iterations", type=int, default=None,
+                   help=f"training iterations in all (DPO: optimizer steps; default: {DEFAULT_ITERATIONS}); "
+                        "with --resume the run continues up to this count (default: the run's)")
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/lm_<algo>__s<seed>__<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR (its trainer_state.pt) "
+                                                       "with its config, exactly as if it had not stopped")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of every weight; "
                                                        "pi_ref is then the base model with the adapter disabled")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
@@ -110,12 +120,14 @@ def _parse_value(text: str, kind: str, name: str):
     if "None" in kind and text.strip().lower() in ("none", "null", ""):
         return None
     base = kind.split("|")[0].strip()
+    from ppokit.config import _BadValue, _int  # PPOConfig's flag parsing: "1e5" is an integer too
+
     try:
         if base == "int":
-            return int(text)
+            return _int(text, text=True)
         if base == "float":
             return float(text)
-    except ValueError:
+    except (ValueError, OverflowError, _BadValue):
         raise ConfigError(name, f"must be {'an integer' if base == 'int' else 'a number'}, got {text!r}") from None
     return text
 
@@ -155,8 +167,14 @@ def check_model_dir(path: str):
 def load_model_dir(path: str, *, device: str = "cpu"):
     """``(model, tokenizer)`` from a local model directory; InputError when it is not one."""
     d = check_model_dir(path)
+    if not any((d / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(f"--model {path}: has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save the "
+                         "tokenizer into it with tokenizer.save_pretrained(DIR)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the CLI's stderr holds its own lines only (one line per error)
     try:
         tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).to(device)
@@ -271,8 +289,13 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print(f"error: {LM_EXTRA_HINT}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     command, full = args.lm_command, args.lm_args
+    from ppokit.checkpoint import CheckpointError
     from ppokit.config import ConfigError
+    from ppokit.lm.durable import RUN_FAILURES
+    from ppokit.rundir import RunDirError
 
     try:
         if command == "demo":
@@ -281,9 +304,16 @@ def run(args: argparse.Namespace) -> int:
             run_demo(seed=full.seed, json_path=full.json, out_dir=full.out, quiet=full.quiet)
             return 0
         return _train(command, full)
-    except (InputError, ConfigError) as exc:
+    except (InputError, ConfigError, RunDirError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RUN_FAILURES as exc:  # the reward or a prompt failed mid-run; the last finished iteration is saved
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # Before training (loading the model) or a second Ctrl-C: the last checkpoint, if any, is intact.
+        print("interrupted; the run dir keeps its last checkpoint", file=sys.stderr)
+        return 130
 
 
 def _default_run_dir(command: str, seed: int):
@@ -298,43 +328,132 @@ def _default_run_dir(command: str, seed: int):
     return path
 
 
+def _given_config_flags(full: argparse.Namespace) -> list[str]:
+    import dataclasses
+
+    from ppokit.lm.config import LMConfig
+
+    return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(LMConfig) if getattr(full, f.name, None)
+            is not None]
+
+
+def _resume_inputs(command: str, full: argparse.Namespace):
+    """``(run_dir, inputs)`` for ``--resume``: the run's recorded inputs (lm_run.json's ``cli``) with the ones given
+    now; InputError for what cannot be continued."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(full.resume)
+    if not (run_dir / "trainer_state.pt").is_file():
+        raise InputError(f"--resume {run_dir}: no LM checkpoint there (trainer_state.pt); give the run dir of a "
+                         "ppokit lm run that saved at least once")
+    try:
+        meta = json.loads((run_dir / "lm_run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = {}
+    meta = meta if isinstance(meta, dict) else {}
+    if meta.get("algo") not in (None, command):
+        raise InputError(f"--resume {run_dir}: holds a ppokit lm {meta['algo']} run; continue it with ppokit lm "
+                         f"{meta['algo']} --resume {run_dir}")
+    given = _given_config_flags(full)
+    if given:
+        raise InputError(f"{given[0]}: --resume continues the run with its saved config; start a new run "
+                         "(another --run-dir) to change it")
+    if full.run_dir:
+        raise InputError("--run-dir: --resume continues in the run dir it names; drop --run-dir")
+    recorded = meta.get("cli") if isinstance(meta.get("cli"), dict) else {}
+    inputs = {"model": full.model or recorded.get("model"), "lora": bool(recorded.get("lora", full.lora)),
+              "lora_r": int(recorded.get("lora_r", full.lora_r)),
+              "iterations": full.iterations or recorded.get("iterations") or DEFAULT_ITERATIONS}
+    if full.lora and not inputs["lora"]:
+        raise InputError(f"--lora: the run in {run_dir} trained every weight, not a LoRA adapter; drop --lora")
+    keys = ("pairs",) if command == "dpo" else ("prompts", "reward")
+    for key in keys:
+        inputs[key] = getattr(full, key) or (recorded.get(key) if key != "reward" else None)
+    if command != "dpo" and not full.reward:
+        # As for env ids in checkpoints (checkpoint.check_stored_env_id): what a run dir names is never imported.
+        hint = f" (the run used {recorded['reward']})" if isinstance(recorded.get("reward"), str) else ""
+        raise InputError(f"--reward: give the reward function again with --resume{hint}; ppokit never imports a "
+                         "module named only by a run dir")
+    for key in ("model", *keys):
+        if not isinstance(inputs[key], str):
+            raise InputError(f"--{key}: required with --resume {run_dir} (its lm_run.json does not record it)")
+    return run_dir, inputs
+
+
 def _train(command: str, full: argparse.Namespace) -> int:
     from pathlib import Path
 
-    if full.iterations < 1:
+    if full.iterations is not None and full.iterations < 1:
         raise InputError(f"--iterations {full.iterations}: must be a positive integer")
-    config = config_from_args(full)  # before any model is loaded: a bad value costs nothing
-    check_model_dir(full.model)
-    run_dir = Path(full.run_dir) if full.run_dir else _default_run_dir(command, config.seed)
-    held = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if held:  # the trainer appends to metrics.csv: a second run there would mix two runs' rows
-        raise InputError(f"--run-dir {run_dir}: already holds a run ({', '.join(held)}); choose another directory "
-                         "or remove it")
-    if command == "dpo":
-        data = load_pairs(full.pairs)
+    if full.resume:
+        run_dir, inputs = _resume_inputs(command, full)
+        config = None
     else:
-        reward = load_reward(full.reward)
-        data = load_prompt_file(full.prompts)
-    model, tokenizer = load_model_dir(full.model, device=config.device)
-    if full.lora:
-        model = apply_lora(model, full.lora_r)
+        config = config_from_args(full)  # before any model is loaded: a bad value costs nothing
+        for key in ("model", *(("pairs",) if command == "dpo" else ("reward", "prompts"))):
+            if not getattr(full, key):
+                raise InputError(f"--{key}: required (ppokit lm {command} --help lists the options)")
+        inputs = {"model": full.model, "lora": full.lora, "lora_r": full.lora_r,
+                  "iterations": full.iterations or DEFAULT_ITERATIONS,
+                  **({"pairs": full.pairs} if command == "dpo" else {"reward": full.reward, "prompts": full.prompts})}
+        run_dir = Path(full.run_dir) if full.run_dir else _default_run_dir(command, config.seed)
+        held = [name for name in RUN_FILES if (run_dir / name).exists()]
+        if held:  # the trainer appends to metrics.csv: a second run there would mix two runs' rows
+            raise InputError(f"--run-dir {run_dir}: already holds a run ({', '.join(held)}); continue it with "
+                             f"--resume {run_dir}, choose another directory or remove it")
+    check_model_dir(inputs["model"])
+    if command == "dpo":
+        data, reward = load_pairs(inputs["pairs"]), None
+    else:
+        reward = load_reward(inputs["reward"])
+        data = load_prompt_file(inputs["prompts"])
+    model, tokenizer = load_model_dir(inputs["model"], device=config.device if config is not None else "cpu")
+    if inputs["lora"]:
+        model = apply_lora(model, inputs["lora_r"])
 
     from ppokit.lm import DPOTrainer, GRPOTrainer, PPOTrainer
+    from ppokit.lm.checks import PromptError
 
-    if command == "dpo":
-        trainer = DPOTrainer(model, tokenizer, pairs=data, config=config, run_dir=run_dir)
-        before = trainer.preference_accuracy(data)
-        trainer.train(full.iterations)
-        after = trainer.preference_accuracy(data)
-        summary = f"preference accuracy {before:.3f} -> {after:.3f} on the {len(data)} pairs"
-    else:
-        cls = PPOTrainer if command == "ppo" else GRPOTrainer
-        trainer = cls(model, tokenizer, reward=reward, prompts=data, config=config, run_dir=run_dir)
-        history = trainer.train(full.iterations)
-        summary = _score_summary(history)
-    trainer.save(run_dir)  # run_dir/policy (save_pretrained) + run_dir/trainer_state.pt (resumable)
-    trainer.close()
-    print(f"ppokit lm {command}: {full.iterations} iterations, {summary}")
+    cls = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "dpo": DPOTrainer}[command]
+    data_kw = {"pairs": data} if command == "dpo" else {"reward": reward, "prompts": data}
+    try:  # the trainers check the prompts, the generation budget and the memory before any work
+        if full.resume:
+            trainer = cls.resume(run_dir, model, tokenizer, **data_kw)
+        else:
+            trainer = cls(model, tokenizer, config=config, run_dir=run_dir, **data_kw)
+    except PromptError as exc:
+        raise InputError(f"--{'pairs' if command == 'dpo' else 'prompts'} {inputs.get('pairs') or inputs['prompts']}: "
+                         f"{_first_line(exc)}") from None
+    except ValueError as exc:  # ConfigError (max_new_tokens, memory) included: it names its field
+        raise InputError(_first_line(exc)) from None
+    # Recorded in lm_run.json, so that --resume needs only the reward again; paths absolute (the cwd may change).
+    trainer.run_info = {**inputs, **{k: str(Path(inputs[k]).resolve()) for k in ("model", "pairs", "prompts")
+                                     if k in inputs}}
+    total = inputs["iterations"]
+    if trainer.iteration >= total:
+        trainer.close()
+        print(f"ppokit lm {command}: {run_dir} is already at iteration {trainer.iteration} of {total}; give a "
+              "larger --iterations to continue it")
+        return 0
+    try:
+        if command == "dpo":
+            before = trainer.preference_accuracy(data)
+            trainer.train(total - trainer.iteration)
+            after = trainer.preference_accuracy(data)
+            summary = f"preference accuracy {before:.3f} -> {after:.3f} on the {len(data)} pairs"
+        else:
+            summary = _score_summary(trainer.train(total - trainer.iteration))
+    finally:
+        trainer.close()
+    again = f"ppokit lm {command} --resume {run_dir}" + (f" --reward {inputs['reward']}" if command != "dpo" else "")
+    if trainer.interrupted:
+        import signal
+
+        print(f"ppokit lm {command}: stopped by {trainer.interrupted} after iteration {trainer.iteration} of {total}; "
+              f"saved {run_dir / 'trainer_state.pt'}; continue with: {again}")
+        return 128 + int(signal.Signals[trainer.interrupted])
+    print(f"ppokit lm {command}: {trainer.iteration} iterations, {summary}")
     print(f"saved: {run_dir / 'policy'} (from_pretrained reads it); diagnose: ppokit doctor {run_dir}")
     return 0
 

@@ -10,7 +10,9 @@ trainer is used (``LMConfig`` does not need it)::
 Modules, one job each: ``config`` (LMConfig, validation, guard rails), ``prompts`` (lists, iterables, files),
 ``generation`` (the Generator interface and its HF backend), ``logprobs`` (position ids, response masks, token
 log-probs, KL estimators), ``rollout`` (sampling a batch), ``rewards`` (functions, weighted lists, reward models),
-``step`` (the epoch loop's UpdateStep over token minibatches), ``base`` (pi_ref, seeding, logging, save/resume),
+``step`` (the epoch loop's UpdateStep over token minibatches), ``base`` (pi_ref, seeding, save/resume),
+``durable`` (the loop's checkpoints, signals and failures; the run dir and its logging), ``checks`` (context,
+tokenizer and memory before any work),
 ``ppo``, ``grpo``, ``dpo`` (the trainers); ``tiny`` and ``demo`` (a tiny GPT-2 and the CPU demo).
 """
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
+import os
+import shutil
+import uuid
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,7 +33,9 @@ from ..checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_st
 from ..monitor import Monitor
 from ..policies import frozen_copy
 from .alerts import LMAlerts
+from .checks import check_context, check_lm_memory, check_tokenizer
 from .config import LMConfig
+from .durable import LMRunLifecycle
 from .generation import HFGenerator, SamplingSettings
 from .kernels import fuse_activations
 from .logprobs import token_logprobs
@@ -81,7 +85,7 @@ def _fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-class LMTrainer:
+class LMTrainer(LMRunLifecycle):
     """Base of ``PPOTrainer``, ``GRPOTrainer`` and ``DPOTrainer`` (one level of subclassing)."""
 
     algo = "lm"
@@ -103,6 +107,10 @@ class LMTrainer:
             raise ValueError("tokenizer: has no eos_token_id; a completion must be able to end")
         pad = getattr(tokenizer, "pad_token_id", None)
         self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad)
+        # The inputs against the model and the machine, before pi_ref or a critic is copied from it.
+        check_tokenizer(tokenizer)
+        self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed)
+        self._check_inputs(model, ref_model)
         self.policy = model.to(self.device)
         disable_dropout(self.policy)
         if cfg.fused_activations:  # before pi_ref and the value model are copied from it
@@ -119,7 +127,6 @@ class LMTrainer:
             self._init_reference(ref_model)
         self._ref_fingerprint = "" if self.ref_model is None else _fingerprint(self.ref_model)
         self.reward = None if reward is None else make_reward(reward)
-        self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
         self.backend = CachedSampler() if cfg.sampler == "cached" else HFGenerator()
         # Counters and random streams (all checkpointed).
@@ -132,11 +139,31 @@ class LMTrainer:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.overwrite = False  # set by the subclasses' overwrite=: replace a run the run dir already holds
         self.logger = None
+        self._claim = None  # the run dir's lock, taken by the first train() (durable.py)
+        self._saved_iteration: int | None = None  # the iteration the run dir's checkpoint holds
+        self.interrupted: str | None = None  # the signal that stopped the last train(), e.g. "SIGINT"
+        self.run_info: dict[str, Any] = {}  # what lm_run.json records beside the config (the CLI's inputs)
         self.monitor = Monitor(action_kind="discrete", monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
         self.lm_alerts = LMAlerts(self.kl_knob)
         self.alerts: list[dict] = []
         self.history: list[dict[str, float]] = []
         self._resumed_at: int | None = None
+
+    # ---------------------------------------------------------------- inputs
+    def _check_inputs(self, model: nn.Module, ref_model: nn.Module | None) -> None:
+        """Prompts (a list: every one; an iterable: each batch as it comes) and ``max_new_tokens`` against the
+        model's context, and one iteration's memory against what the machine has (``checks``)."""
+        cfg = self.config
+        items = getattr(self.prompts, "items", None) or []
+        longest = check_context(self.tokenizer, model, items, cfg.max_new_tokens)
+        self._check_memory(model, ref_model, cfg.rollout_size, longest, cfg.max_new_tokens,
+                           f"batch_prompts {cfg.batch_prompts:,} x group_size {cfg.group_size:,}")
+
+    def _check_memory(self, model: nn.Module, ref_model: nn.Module | None, rows: int, prompt_len: int,
+                      response_len: int, rows_text: str) -> None:
+        copies = int(self.uses_reference and ref_model is None and not is_peft_model(model))
+        check_lm_memory(self.config, model, rows, prompt_len, response_len, extra_models=copies,
+                        value_model=self.algo == "ppo", rows_text=rows_text)
 
     # ---------------------------------------------------------------- models
     def _init_reference(self, ref_model: nn.Module | None) -> None:
@@ -201,6 +228,9 @@ class LMTrainer:
 
     def _sample(self, prompts: list[str], *, with_ref: bool, value_fn=None, rng: str = "train",
                 reward: bool = True, storage: torch.device | None = None) -> Sampled:
+        if self.prompts is not None and self.prompts.items is None:  # a one-shot iterable: checked as it comes
+            check_context(self.tokenizer, self.policy, list(dict.fromkeys(prompts)), self.config.max_new_tokens,
+                          where="this iteration's prompts")
         self.policy.eval()
         with self._rng(rng):
             return sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
@@ -253,15 +283,6 @@ class LMTrainer:
     def step(self) -> dict[str, float]:  # pragma: no cover - each trainer defines it
         raise NotImplementedError
 
-    def train(self, iterations: int) -> list[dict[str, float]]:
-        """``iterations`` calls of ``step``; the list of their metrics."""
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
-            raise ValueError(f"train: iterations must be an integer >= 0, got {iterations!r}")
-        self._open_logger(self.iteration + iterations)
-        if getattr(self, "_sps_origin", None) is None:  # perf/sps counts from the first iteration this object runs
-            self._sps_origin = (time.perf_counter(), self.completions)
-        return [self.step() for _ in range(iterations)]
-
     def _finish(self, metrics: dict[str, float], started: float, phases: dict[str, float]) -> dict[str, float]:
         """Counters, timings, alerts and logging of one iteration; returns ``metrics`` completed."""
         metrics = {S.UPDATE: float(self.iteration), **metrics}
@@ -274,7 +295,7 @@ class LMTrainer:
         metrics[S.SPS] = (self.completions - origin[1]) / (now - origin[0]) if now > origin[0] else math.nan
         self.history.append(metrics)
         alerts = self.monitor.check(self.iteration, metrics) + self.lm_alerts.check(self.iteration, metrics)
-        self._open_logger(self.iteration)
+        self._open_logger()
         if self.logger is not None:
             self.logger.log(self.completions, metrics)
         for a in alerts:
@@ -284,35 +305,6 @@ class LMTrainer:
                 self.logger.alert(self.completions, a.level, a.name, a.message, a.data)
         return metrics
 
-    def _open_logger(self, planned_iterations: int) -> None:
-        if self.run_dir is None or self.logger is not None or not self.dist.is_main:  # rank 0 alone logs
-            return
-        from ..logger import MetricsLogger
-        from ..rundir import claim, trim_to_checkpoint
-
-        # One run per run dir, as for the Gymnasium trainer: a fresh trainer refuses a dir that holds a run (its
-        # metrics.csv would mix two runs) unless overwrite; a resumed one drops what was logged after its checkpoint.
-        resumed = self._resumed_at is not None
-        self._claim = claim(self.run_dir, resume=resumed, overwrite=self.overwrite and not resumed)
-        if resumed:
-            trim_to_checkpoint(self.run_dir, self.iteration, self.completions)
-        meta = {"kind": "lm", "algo": self.algo, "config": self.config.to_dict()}
-        (self.run_dir / "lm_run.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        cfg = self.config
-        self.logger = MetricsLogger(self.run_dir, total_timesteps=max(1, planned_iterations) * cfg.rollout_size,
-                                    log_every=cfg.log_every, tensorboard=cfg.tensorboard, console=cfg.console,
-                                    hparams=None if self._resumed_at is not None else cfg.to_dict(),
-                                    resume_step=self._resumed_at)
-
-    def close(self) -> None:
-        """Flush and close the run dir's sinks (idempotent)."""
-        if self.logger is not None:
-            self.logger.close()
-            self.logger = None
-        if getattr(self, "_claim", None) is not None:
-            self._claim.release()
-            self._claim = None
-
     # ---------------------------------------------------------------- save / resume
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -320,17 +312,30 @@ class LMTrainer:
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         pass
 
-    def save(self, directory: str | Path) -> Path:
+    def _cursor(self) -> dict[str, Any]:
+        """Where the data and the random streams stand: the checkpoint's entries that an iteration moves before
+        its update (``durable`` saves the ones from before a failed iteration)."""
+        return {
+            "rng": rng_state(),
+            "sample_rng": self._sample_state.clone(),
+            "cuda_sample_rng": None if self._cuda_sample_state is None else self._cuda_sample_state.clone(),
+            "shuffle_rng": self._shuffle.get_state(),
+            "prompts": None if self.prompts is None else self.prompts.state(),
+        }
+
+    def save(self, directory: str | Path, cursor: dict[str, Any] | None = None) -> Path:
         """``save_pretrained`` of the policy (and its tokenizer) into ``directory/policy`` and a resumable
-        checkpoint ``directory/trainer_state.pt`` (trainable weights, optimizer, RNG states, counters)."""
+        checkpoint ``directory/trainer_state.pt`` (trainable weights, optimizer, RNG states, counters).
+
+        Both are replaced whole: the checkpoint atomically (``checkpoint.save_checkpoint``), ``policy/`` written
+        beside it under a temp name and swapped in, so a kill mid-save leaves the previous ones readable.
+        ``cursor``: the data position and random streams to store instead of the current ones (``_cursor``)."""
         directory = Path(directory)
         if not self.dist.is_main:  # data-parallel: the ranks hold the same weights; rank 0 alone writes
             return directory
         directory.mkdir(parents=True, exist_ok=True)
         if hasattr(self.policy, "save_pretrained"):
-            self.policy.save_pretrained(directory / "policy")
-            if hasattr(self.tokenizer, "save_pretrained"):
-                self.tokenizer.save_pretrained(directory / "policy")
+            self._save_policy_dir(directory)
         state = {
             "algo": self.algo,
             "config": self.config.to_dict(),
@@ -338,16 +343,36 @@ class LMTrainer:
             "completions": self.completions,
             "policy": {n: p.detach().cpu().clone() for n, p in self.policy.named_parameters() if p.requires_grad},
             "optimizer": self.optimizer.state_dict(),
-            "rng": rng_state(),
-            "sample_rng": self._sample_state.clone(),
-            "cuda_sample_rng": None if self._cuda_sample_state is None else self._cuda_sample_state.clone(),
-            "shuffle_rng": self._shuffle.get_state(),
-            "prompts": None if self.prompts is None else self.prompts.state(),
+            **(self._cursor() if cursor is None else cursor),
             "ref_fingerprint": self._ref_fingerprint,
             **self._extra_state(),
         }
         save_checkpoint(directory / CHECKPOINT, state, finite=["policy", "optimizer", *self._finite_keys()])
         return directory
+
+    def _save_policy_dir(self, directory: Path) -> None:
+        """``directory/policy`` replaced by a fresh ``save_pretrained`` (written as ``.policy.<id>.tmp``, which
+        ``rundir.claim`` removes if a kill leaves it)."""
+        token = uuid.uuid4().hex
+        tmp, aside, final = (directory / f".policy.{token}.tmp", directory / f".policy.{token}.old.tmp",
+                             directory / "policy")
+        try:
+            with _quiet_progress():  # no "Writing model shards" bar on stderr at every checkpoint
+                self.policy.save_pretrained(tmp)
+                if hasattr(self.tokenizer, "save_pretrained"):
+                    self.tokenizer.save_pretrained(tmp)
+            moved = final.is_dir() and not final.is_symlink()
+            if moved:
+                os.rename(final, aside)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                if moved:
+                    os.rename(aside, final)  # the previous policy/ back in place
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
 
     def _finite_keys(self) -> list[str]:
         return []
@@ -356,12 +381,14 @@ class LMTrainer:
     def resume(cls, directory: str | Path, model: nn.Module, tokenizer: Any, **kwargs: Any) -> "LMTrainer":
         """A trainer that continues the run saved in ``directory``: the same numbers as if it had never stopped.
 
+        It logs into ``directory`` and checkpoints there (``run_dir=`` another directory forks the run into it).
         ``model`` is the run's *starting* model (pi_ref is rebuilt from it, as at the start; a different one is
         refused); its trainable weights are then replaced by the saved ones. The config is the saved one; give the
         same ``reward``/``prompts``/``pairs`` (and ``ref_model``/``value_model`` if the run had them) as before.
         """
         directory = Path(directory)
         state = load_checkpoint(directory / CHECKPOINT, require_finite=["policy"])
+        kwargs.setdefault("run_dir", directory)  # the run goes on logging (and saving) where it was
         if state.get("algo") != cls.algo:
             raise ValueError(f"resume: {directory} holds a {state.get('algo')!r} run, not {cls.algo!r}")
         config = LMConfig.from_dict(state["config"])
@@ -395,6 +422,20 @@ class LMTrainer:
         trainer._load_extra_state(state)
         trainer._resumed_at = trainer.completions
         return trainer
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off for the block (and back on after, if they were)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def masked_stats(x: Tensor, mask: Tensor) -> tuple[float, float]:

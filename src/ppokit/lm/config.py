@@ -94,6 +94,9 @@ class LMConfig:
     gradient_checkpointing: bool = _f(False, "enable the model's gradient checkpointing during the update")
     # --- output ---
     log_every: int = _f(10, "print a metrics table every this many iterations (with a run dir)")
+    save_every: int = _f(10, "with a run dir, write a resumable checkpoint (trainer_state.pt and policy/) every "
+                         "this many iterations, at the end, on Ctrl-C / SIGTERM and when the reward fails; a kill "
+                         "loses at most this many iterations")
     tensorboard: bool = _f(True, "write TensorBoard event files (with a run dir)")
     console: bool = _f(True, "print metrics and alerts on the console (with a run dir)")
 
@@ -113,7 +116,7 @@ class LMConfig:
         for f in dataclasses.fields(self):
             _check_type(f, getattr(self, f.name))
         for name in ("torch_threads", "batch_prompts", "group_size", "max_new_tokens", "update_epochs",
-                     "num_minibatches", "log_every", "kl_horizon"):
+                     "num_minibatches", "log_every", "save_every", "kl_horizon"):
             need(getattr(self, name) >= 1, name, f"must be a positive integer, got {getattr(self, name)!r}")
         need(0 <= self.seed <= _SEED_MAX, "seed", f"must be in [0, {_SEED_MAX}], got {self.seed}")
         for f in dataclasses.fields(self):

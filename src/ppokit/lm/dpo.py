@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .. import schema as S
 from .base import LMTrainer
+from .checks import check_pairs_context
 from .logprobs import token_logprobs
 from .rollout import encode_prompts
 
@@ -79,17 +80,23 @@ class DPOTrainer(LMTrainer):
 
     def __init__(self, model: nn.Module, tokenizer: Any, pairs: Any, config=None, run_dir=None,
                  ref_model: nn.Module | None = None, *, overwrite: bool = False):
+        self.pairs = _check_pairs(pairs)  # before the base's input checks, which measure them
         super().__init__(model, tokenizer, config, run_dir, ref_model)
         self.overwrite = overwrite
-        self.pairs = _check_pairs(pairs)
         self.consumed = 0
         self._perm: tuple[int, Tensor] | None = None
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=self.config.learning_rate,
                                            weight_decay=self.config.weight_decay)
 
     # ---------------------------------------------------------------- state
-    def _extra_state(self) -> dict[str, Any]:
-        return {"pairs_consumed": self.consumed}
+    def _cursor(self) -> dict[str, Any]:
+        return {**super()._cursor(), "pairs_consumed": self.consumed}
+
+    def _check_inputs(self, model: nn.Module, ref_model: nn.Module | None) -> None:
+        longest_prompt, longest_response = check_pairs_context(self.tokenizer, model, self.pairs)
+        n = self.config.batch_prompts
+        self._check_memory(model, ref_model, 2 * n, longest_prompt, longest_response,
+                           f"batch_prompts {n:,} preference pairs, a chosen and a rejected sequence each")
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.consumed = int(state["pairs_consumed"])

@@ -146,8 +146,8 @@ class PPOTrainer(LMTrainer):
         self.value_model.load_state_dict(state["value_model"])
         self.kl_coef = float(state["kl_coef"])
 
-    def save(self, directory):
-        directory = super().save(directory)
+    def save(self, directory, cursor=None):
+        directory = super().save(directory, cursor)
         if not self.dist.is_main:  # rank 0 alone writes
             return directory
         from safetensors.torch import save_model

@@ -2,7 +2,8 @@
 
 A reward model is not required where a function will do (trl#2451, trl#2363). Every kind becomes one
 ``RewardFn``: ``reward(prompts, completions, info) -> Tensor [B]`` float32, checked: one finite number per
-completion, or a ``ValueError`` naming the function and what it returned.
+completion (a list/tuple of numbers or a 1-D tensor/array), or a ``RewardError`` naming the function and what it
+returned; an exception the function raises becomes a ``RewardError`` naming it too.
 
 * a callable ``fn(prompts, completions, **info) -> list[float]``; ``info`` holds ``completion_ids`` (token ids of
   each completion, EOS excluded) and ``eos`` (whether it ended with the EOS token). A function is passed only the
@@ -18,33 +19,102 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RewardFn", "make_reward"]
+__all__ = ["RewardFn", "RewardError", "make_reward"]
 
 RewardFn = Callable[[list[str], list[str], dict[str, Any]], Tensor]
 
 
+class RewardError(ValueError):
+    """A reward function raised, or returned something that is not one finite number per completion; the message
+    names the function (its qualified name) and what it returned or raised."""
+
+
 def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{qual}" if module and module != "builtins" else qual
+
+
+def _describe(values: Any) -> str:
+    """What a reward returned, for the message: its type and length (a tensor's or array's shape)."""
+    kind = type(values).__name__
+    shape = getattr(values, "shape", None)
+    if shape is not None and not isinstance(values, (list, tuple)):
+        return f"{kind} of shape {tuple(shape)}"
+    try:
+        return f"{kind} of length {len(values)}"
+    except TypeError:
+        return kind
+
+
+def _number(v: Any) -> float | None:
+    """``v`` as a float when it is one real number (a Python/numpy number or a one-element tensor), else None.
+    A bool is not a reward (``True`` for 1.0 is more often a bug than a score, as for config numbers)."""
+    if isinstance(v, Tensor):
+        if v.numel() != 1 or v.dim() > 1 or v.dtype == torch.bool or v.is_complex():
+            return None
+        return float(v)
+    if isinstance(v, (bool, str, bytes)) or not isinstance(v, numbers.Real) or type(v).__name__ == "bool_":
+        return None
+    return float(v)
 
 
 def _as_scores(values: Any, n: int, who: str) -> Tensor:
-    if isinstance(values, Tensor):
-        values = values.detach().float().cpu().reshape(-1).tolist()
-    try:
-        scores = [float(v) for v in values]
-    except (TypeError, ValueError):
-        raise ValueError(f"reward {who} must return a list of {n} numbers, got {type(values).__name__}") from None
+    """``[n]`` float32 from a list/tuple of numbers or a 1-D tensor/array of ``n`` of them; RewardError otherwise.
+
+    Only those: a dict would iterate over its keys and a string over its characters ("1111" -> four 1.0s), each
+    a wrong reward that trains silently."""
+    want = f"must return a list or 1-D array of {n} finite numbers (one per completion), got {_describe(values)}"
+    if isinstance(values, Tensor) or type(values).__name__ == "ndarray":
+        # A numeric 1-D tensor/array: float, int (a bool or complex one is not a score).
+        kind = str(values.dtype).rsplit(".", 1)[-1]
+        if values.ndim != 1 or kind == "bool" or "complex" in kind or not _numeric_dtype(values):
+            raise RewardError(f"reward {who} {want}")
+        scores = [float(v) for v in values.tolist()]
+    elif isinstance(values, (list, tuple)):
+        scores = []
+        for i, v in enumerate(values):
+            x = _number(v)
+            if x is None:
+                raise RewardError(f"reward {who} {want}, whose element {i} is {_describe(v)} {_short(v)}")
+            scores.append(x)
+    else:
+        raise RewardError(f"reward {who} {want}")
     if len(scores) != n:
-        raise ValueError(f"reward {who} returned {len(scores)} values for {n} completions")
+        raise RewardError(f"reward {who} returned {len(scores)} values for {n} completions ({_describe(values)}); "
+                          "it must return one per completion")
     bad = [i for i, v in enumerate(scores) if not math.isfinite(v)]
     if bad:
-        raise ValueError(f"reward {who} returned a non-finite value ({scores[bad[0]]!r}) for completion {bad[0]}")
+        raise RewardError(f"reward {who} returned a non-finite value ({scores[bad[0]]!r}) for completion {bad[0]} "
+                          f"of {n}")
     return torch.tensor(scores, dtype=torch.float32)
+
+
+def _numeric_dtype(values: Any) -> bool:
+    if isinstance(values, Tensor):
+        return values.dtype.is_floating_point or not (values.dtype.is_complex or values.dtype == torch.bool)
+    return values.dtype.kind in "iuf"  # numpy: signed, unsigned, float
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _call(fn: Callable, who: str, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; an exception it raises becomes one RewardError line naming it."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's function: anything it raises ends the run, named
+        from ..checkpoint import one_line
+
+        raise RewardError(f"reward {who} raised {one_line(exc)}") from exc
 
 
 def _callable(fn: Callable) -> RewardFn:
@@ -54,23 +124,26 @@ def _callable(fn: Callable) -> RewardFn:
         params = []
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
     named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    who = _name(fn)
 
     def reward(prompts: list[str], completions: list[str], info: dict[str, Any]) -> Tensor:
         extra = info if takes_all else {k: v for k, v in info.items() if k in named}
-        return _as_scores(fn(prompts, completions, **extra), len(completions), _name(fn))
+        return _as_scores(_call(fn, who, prompts, completions, **extra), len(completions), who)
 
     return reward
 
 
 def _module(module: nn.Module) -> RewardFn:
+    who = f"model {type(module).__qualname__}"
+
     def reward(prompts: list[str], completions: list[str], info: dict[str, Any]) -> Tensor:
         with torch.no_grad():
-            out = module(input_ids=info["input_ids"], attention_mask=info["attention_mask"])
+            out = _call(module, who, input_ids=info["input_ids"], attention_mask=info["attention_mask"])
         logits = out.logits if hasattr(out, "logits") else out
         if not isinstance(logits, Tensor) or logits.dim() not in (1, 2) or (logits.dim() == 2 and logits.shape[1] != 1):
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-            raise ValueError(f"reward model {type(module).__name__} must return [B] or [B, 1] scores, got {shape}")
-        return _as_scores(logits, len(completions), f"model {type(module).__name__}")
+            raise RewardError(f"reward {who} must return [B] or [B, 1] scores, got {shape}")
+        return _as_scores(logits.reshape(-1), len(completions), who)
 
     return reward
 
