@@ -1,6 +1,7 @@
 """``ppokit.shm_reduce``: the shared-memory sum the per-minibatch gradient sync uses when every rank is on one host.
 
-Real processes (multiprocessing, spawn) share one file; each checks the sum against the rows computed
+Real processes (multiprocessing, spawn) share one buffer (here a file each opens, so spawned processes can
+reach it; in a run the anonymous memory file ``join`` hands over); each checks the sum against the rows computed
 independently in the parent, call after call (the two-slot protocol is exercised by consecutive calls).
 """
 
@@ -26,9 +27,22 @@ def _row(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(N, generator=g).to(dtype)
 
 
+def _create(path: str, world_size: int, capacity: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(ShmReducer.nbytes(world_size, capacity))
+
+
+def _open(path: str, rank: int, world_size: int, capacity: int) -> ShmReducer:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return ShmReducer(fd, rank, world_size, capacity)
+    finally:
+        os.close(fd)
+
+
 def _rank(path: str, rank: int, dtype: torch.dtype, out: "mp.Queue") -> None:
     torch.set_num_threads(1)
-    red = ShmReducer(path, rank, K, capacity=N + 3)
+    red = _open(path, rank, K, capacity=N + 3)
 
     def fail(why):
         raise RuntimeError(why)
@@ -45,7 +59,7 @@ def _rank(path: str, rank: int, dtype: torch.dtype, out: "mp.Queue") -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_every_rank_gets_the_rank_ordered_sum_on_every_call(tmp_path, dtype):
     path = str(tmp_path / "sync")
-    ShmReducer.create(path, K, N + 3)
+    _create(path, K, N + 3)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(path, r, dtype, out)) for r in range(K)]
@@ -65,8 +79,8 @@ def test_every_rank_gets_the_rank_ordered_sum_on_every_call(tmp_path, dtype):
 
 def test_a_rank_that_never_arrives_is_reported_within_the_timeout(tmp_path):
     path = str(tmp_path / "sync")
-    ShmReducer.create(path, 2, 8)
-    red = ShmReducer(path, 0, 2, capacity=8)
+    _create(path, 2, 8)
+    red = _open(path, 0, 2, capacity=8)
     seen = []
 
     def on_lost(why):
@@ -78,7 +92,7 @@ def test_a_rank_that_never_arrives_is_reported_within_the_timeout(tmp_path):
         red.sum(torch.ones(8), 0.5, lambda: None, on_lost)
     assert seen == [None] and 0.5 <= time.monotonic() - start < 3
     # A lost() that names a gone peer is raised before the timeout.
-    red2 = ShmReducer(path, 0, 2, capacity=8)
+    red2 = _open(path, 0, 2, capacity=8)
     red2._gen = 5
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="lost rank 1"):
@@ -88,8 +102,8 @@ def test_a_rank_that_never_arrives_is_reported_within_the_timeout(tmp_path):
 
 def test_a_buffer_larger_than_the_file_is_refused_so_the_caller_falls_back(tmp_path):
     path = str(tmp_path / "sync")
-    ShmReducer.create(path, 2, 8)
-    red = ShmReducer(path, 1, 2, capacity=8)
+    _create(path, 2, 8)
+    red = _open(path, 1, 2, capacity=8)
     assert red.fits(8) and not red.fits(9)
     assert os.path.getsize(path) == ShmReducer.nbytes(2, 8)
 
