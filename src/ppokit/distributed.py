@@ -460,7 +460,8 @@ class _Guard:
                                peer_exited=bool(self.dist._exited_peers())) from exc
 
 
-_EXIT_SETTLE_S = 3.0  # how long a failed collective waits for a peer's exit to show in /proc
+_EXIT_SETTLE_S = 10.0  # how long a failed collective waits for a peer's exit to show in /proc (bounded: a loaded
+# machine can take seconds to finish tearing a killed process down)
 
 
 def _proc_state(pid: int) -> str | None:
