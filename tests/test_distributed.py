@@ -593,14 +593,19 @@ def test_a_signal_to_the_nproc_launcher_stops_every_rank_after_a_checkpoint(sig,
     metrics stop growing."""
     from ppokit.checkpoint import load_checkpoint
 
+    from ppokit.launcher import SHUTDOWN_S
+
     launcher, agent, ranks = _nproc_run(tmp_path)
     try:
         launcher.send_signal(sig)
+        start = time.monotonic()
         _, err = launcher.communicate(timeout=TIMEOUT)
+        waited = time.monotonic() - start
     finally:
         launcher.kill()
     assert launcher.returncode == code, err[-3000:]
     assert not _alive([agent, *ranks])  # it waited for them
+    assert waited < SHUTDOWN_S  # they stopped on the signal, not at the launcher's kill deadline
     rows = len(_metrics(tmp_path / "run"))
     state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
     assert state["update"] == rows >= 2
@@ -639,3 +644,13 @@ def test_kill_9_of_one_rank_under_nproc_is_one_line_naming_it(tmp_path):
     assert len(lines) == 1 and "rank 1 of 2 was killed by SIGKILL (signal 9)" in lines[0], err[-3000:]
     assert "Traceback" not in err and "hung?" not in err
     assert not _alive([agent, *ranks])
+
+
+def test_the_failure_line_names_the_lost_rank_and_how_it_ended():
+    from ppokit.launcher import describe_failures
+
+    # torchrun's SIGTERM to the survivor is its stop, not the news; exit codes 1 and 2 said their own line.
+    assert describe_failures({0: -15, 1: -9}, 2).startswith("rank 1 of 2 was killed by SIGKILL (signal 9); the ")
+    assert describe_failures({1: 7}, 2).startswith("rank 1 of 2 exited with code 7;")
+    assert describe_failures({0: 1, 1: 2}, 2) is None
+    assert describe_failures({1: -15}, 2).startswith("rank 1 of 2 was killed by SIGTERM (signal 15)")
