@@ -650,7 +650,9 @@ def test_the_failure_line_names_the_lost_rank_and_how_it_ended():
     from ppokit.launcher import describe_failures
 
     # torchrun's SIGTERM to the survivor is its stop, not the news; exit codes 1 and 2 said their own line.
-    assert describe_failures({0: -15, 1: -9}, 2).startswith("rank 1 of 2 was killed by SIGKILL (signal 9); the ")
+    assert describe_failures({0: -15, 1: -9}, 2) == ("rank 1 of 2 was killed by SIGKILL (signal 9); the other ranks were "
+                                                "stopped; rank 0's last checkpoint is whole: continue with ppokit train "
+                                                "--nproc 2 --resume RUN_DIR")
     assert describe_failures({1: 7}, 2).startswith("rank 1 of 2 exited with code 7;")
     assert describe_failures({0: 1, 1: 2}, 2) is None
     assert describe_failures({1: -15}, 2).startswith("rank 1 of 2 was killed by SIGTERM (signal 15)")

@@ -47,9 +47,11 @@ def supervised() -> bool:
 def launch(nproc: int, argv: list[str]) -> int:
     """Run ``ppokit train ARGV`` as ``nproc`` ranks under torchrun; the exit code (130/143 after SIGINT/SIGTERM)."""
     cmd = [sys.executable, "-m", "ppokit.launcher", "--standalone", f"--nproc_per_node={nproc}",
-           f"--shutdown_timeout={SHUTDOWN_S}", "-m", "ppokit", "train", *argv]
-    agent = subprocess.Popen(cmd, stdin=subprocess.PIPE, env={**os.environ, PIPE_VAR: "1"},
-                             start_new_session=True)
+           "-m", "ppokit", "train", *argv]
+    # The grace by the variable, not --shutdown_timeout: torch releases without that flag read neither and keep
+    # their 30 s (the launcher's own deadline still bounds the wait).
+    env = {**os.environ, PIPE_VAR: "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_S)}
+    agent = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, start_new_session=True)
     received: list[int] = []
 
     def forward(signum, frame):
@@ -105,7 +107,7 @@ def describe_failures(exitcodes: dict[int, int], world_size: int) -> str | None:
     if not told:
         return None
     return ("; ".join(told) + "; the other ranks were stopped; rank 0's last checkpoint is whole: continue with "
-            "ppokit train --nproc K --resume RUN_DIR")
+            f"ppokit train --nproc {world_size} --resume RUN_DIR")
 
 
 def watch_launcher(agent: bool = False) -> None:
@@ -204,8 +206,10 @@ def _agent(argv: list[str]) -> int:
         torchrun.run(args)
     except SignalException as exc:  # the launcher's SIGINT/SIGTERM: the ranks were stopped (and have saved)
         return 128 + int(exc.sigval)
+    except KeyboardInterrupt:  # a SIGINT before torchrun's handler was installed: no rank had started
+        return 130
     except ChildFailedError as exc:
-        codes = {f.local_rank if rank < 0 else rank: f.exitcode for rank, f in exc.failures.items()}
+        codes = {rank: f.exitcode for rank, f in exc.failures.items()}  # by global rank
         line = describe_failures(codes, int(args.nproc_per_node))
         if line:
             print(f"error: {line}", file=sys.stderr, flush=True)
