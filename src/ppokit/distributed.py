@@ -251,6 +251,7 @@ class Dist:
                                peer_exited=bool(self._exited_peers()))
 
     def _exited_peers(self) -> list[int]:
+        """The other ranks on this host whose process has exited."""
         here = socket.gethostname()
         return [r for r, (host, pid) in enumerate(self.peers)
                 if r != self.rank and host == here and _proc_state(pid) is None]
