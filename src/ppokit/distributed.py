@@ -51,6 +51,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -68,7 +69,12 @@ NO_SHM_VAR = "PPOKIT_DIST_NO_SHM"
 
 
 class DistributedError(RuntimeError):
-    """A collective failed: a rank was lost or did not answer within ``dist_timeout``."""
+    """A collective failed: a rank was lost or did not answer within ``dist_timeout``. ``peer_exited``: another
+    rank's process on this host was seen gone (its end is the news, which torchrun's launcher can tell)."""
+
+    def __init__(self, message: str, peer_exited: bool = False):
+        super().__init__(message)
+        self.peer_exited = peer_exited
 
 
 def launched() -> bool:
@@ -216,19 +222,21 @@ class Dist:
                 t.copy_(part.view_as(t))
 
     def _share_memory(self, capacity: int) -> None:
-        """When every rank runs on this host under gloo: a shared file for ``_sync`` (``shm_reduce``: a gloo
-        all-reduce per minibatch cost 1.2-2.5 ms here, as much as the update's compute). Rank 0 creates it,
-        every rank maps it, and rank 0 unlinks it once all have (so nothing is left behind, even after kill -9)."""
+        """When every rank runs on this host under gloo: a shared buffer for ``_sync`` (``shm_reduce``: a gloo
+        all-reduce per minibatch cost 1.2-2.5 ms here, as much as the update's compute). It is an anonymous
+        memory file that rank 0 hands to the job's ranks alone (checked credentials): it never has a name, so
+        nothing outside the job can open it and nothing is left behind, even after kill -9."""
         from . import shm_reduce
 
-        if self._shm is not None:  # a second model (the LM value model): one file for both, as they may sync together
+        if self._shm is not None:  # a second model (the LM value model): one buffer for both, as they may sync together
             capacity += self._shm.capacity
         here = socket.gethostname()
         if (self.backend != "gloo" or not shm_reduce.supported() or any(h != here for h, _ in self.peers)
                 or capacity > 1 << 24 or os.environ.get(NO_SHM_VAR, "") not in ("", "0")):
             return
         with self._guard("sharing memory"):
-            self._shm = shm_reduce.join(self.rank, self.world_size, capacity)
+            self._shm = shm_reduce.join(self.rank, self.world_size, capacity, [pid for _, pid in self.peers],
+                                        self.timeout_s, self._lost_now)
 
     def _lost_now(self) -> str | None:
         """``lost_ranks()`` when a rank on this host has exited or is stopped, else None (still running)."""
@@ -239,7 +247,14 @@ class Dist:
 
     def _raise_lost(self, why: str | None = None) -> None:
         raise DistributedError(f"distributed: rank {self.rank} {why or self.lost_ranks()} while averaging "
-                               f"gradients (shared memory, dist_timeout {self.timeout_s:g} s)")
+                               f"gradients (shared memory, dist_timeout {self.timeout_s:g} s)",
+                               peer_exited=bool(self._exited_peers()))
+
+    def _exited_peers(self) -> list[int]:
+        """The other ranks on this host whose process has exited."""
+        here = socket.gethostname()
+        return [r for r, (host, pid) in enumerate(self.peers)
+                if r != self.rank and host == here and _proc_state(pid) is None]
 
     # ------------------------------------------------------------------ per update
     def agree_minibatches(self, settings: Any, batch_len: int) -> Any:
@@ -421,7 +436,7 @@ class Dist:
             return "lost rank " + ", ".join(map(str, stopped)) + f" (its process is stopped, not answering){of}"
         if remote:
             return f"lost contact with rank(s) on other hosts ({', '.join(map(str, remote))}){of}"
-        return f"got no answer from rank(s) {', '.join(map(str, state))}{of} (their processes still run: hung?)"
+        return f"got no answer from rank(s) {', '.join(map(str, state))}{of} (their processes still run)"
 
 
 class _Guard:
@@ -436,9 +451,18 @@ class _Guard:
     def __exit__(self, kind, exc, tb) -> bool:
         if exc is None or isinstance(exc, (DistributedError, KeyboardInterrupt)) or not isinstance(exc, Exception):
             return False
-        detail = " ".join(str(exc).split())[:300]
-        raise DistributedError(f"distributed: rank {self.dist.rank} {self.dist.lost_ranks()} while {self.what} "
-                               f"({type(exc).__name__}: {detail})") from exc
+        # A peer killed by kill -9 closes its sockets before the kernel marks it exited: gloo's error can come
+        # first, and /proc still says "running". Give its exit a moment to show (polled, bounded).
+        deadline = time.monotonic() + _EXIT_SETTLE_S
+        while "still run" in self.dist.lost_ranks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # gloo's own text (addresses, file:line) stays on the chained exception, out of the one line.
+        raise DistributedError(f"distributed: rank {self.dist.rank} {self.dist.lost_ranks()} while {self.what}",
+                               peer_exited=bool(self.dist._exited_peers())) from exc
+
+
+_EXIT_SETTLE_S = 10.0  # how long a failed collective waits for a peer's exit to show in /proc (bounded: a loaded
+# machine can take seconds to finish tearing a killed process down)
 
 
 def _proc_state(pid: int) -> str | None:

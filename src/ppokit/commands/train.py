@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc > 1 and not launched:
         return _launch(args)  # before torch is imported: this process only waits for torchrun
 
-    from ppokit import distributed
+    from ppokit import distributed, launcher
     from ppokit.checkpoint import CheckpointError
     from ppokit.envs.errors import EnvError
 
@@ -130,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     main_rank = os.environ.get("RANK", "0") == "0"
     say = err if main_rank else Console(stderr=True, quiet=True)
     tag = "" if main_rank else f"rank {os.environ['RANK']}: "
+    if launched:
+        launcher.watch_launcher()  # under --nproc: stop when the launcher is gone, even by kill -9
     try:
         if args.resume:
             from ppokit.trainer import resume
@@ -167,7 +169,10 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except distributed.DistributedError as exc:
-        # A rank was lost or timed out; the checkpoints rank 0 wrote are whole (atomic writes). Every rank says it.
+        # A rank was lost or timed out; the checkpoints rank 0 wrote are whole (atomic writes). Every rank says it,
+        # except under --nproc when a peer exited: the launcher's one line names that rank and how it ended.
+        if exc.peer_exited and launcher.supervised():
+            return 1
         err.print(f"[bold red]error:[/] {escape(str(exc))}; rank 0's last checkpoint is whole: "
                   "continue with ppokit train --resume RUN_DIR", highlight=False, soft_wrap=True)
         return 1
@@ -186,18 +191,12 @@ def run(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     """``--nproc K``: run this same command as K ranks under torchrun on this machine; its exit code.
 
-    torchrun (``python -m torch.distributed.run``) picks a free port (--standalone), starts the ranks, and when
-    one of them fails stops the others and names the failed rank. For several machines run torchrun directly
-    (README: Data-parallel training)."""
-    import subprocess
-    import sys
+    ``ppokit.launcher`` starts torchrun (--standalone: a free port) in its own session, passes SIGINT/SIGTERM on
+    and waits for the ranks (130/143), stops them when it is killed itself, and names a lost rank in one line.
+    For several machines run torchrun directly (README: Data-parallel training)."""
+    from ppokit.launcher import launch
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "ppokit", "train", *_child_argv(args)]
-    try:
-        return subprocess.call(cmd)
-    except KeyboardInterrupt:  # torchrun forwarded it to the ranks, which save and exit
-        return 130
+    return launch(args.nproc, _child_argv(args))
 
 
 def _child_argv(args: argparse.Namespace) -> list[str]:
