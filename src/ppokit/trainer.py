@@ -532,7 +532,7 @@ def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any
 
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINT_NAME
-    state = ckpt.load_checkpoint(path, require_finite=ckpt.LEARNER_KEYS)
+    state = ckpt.load_checkpoint(path, require_finite=ckpt.LEARNER_KEYS, require_bounded=ckpt.BOUNDED_KEYS)
     config = stored_config(state, path, allow_import, env=env)
     if total_timesteps is not None:
         config.total_timesteps = total_timesteps
