@@ -7,6 +7,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# First, before the imports below: on the command line a Ctrl-C during start-up exits 130 without a traceback.
+from ppokit.cli import defer_startup_interrupt as _defer_startup_interrupt  # noqa: E402
+
+_defer_startup_interrupt()
+
 _LAZY = {
     "PPOConfig": "ppokit.config",
     "ConfigError": "ppokit.config",
