@@ -53,6 +53,7 @@ __all__ = [
     "check_counters",
     "WEIGHT_BOUND",
     "one_line",
+    "describe_write_error",
 ]
 
 FORMAT = "ppokit-checkpoint"
@@ -186,7 +187,7 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _describe(exc: BaseException) -> str:
+def describe_write_error(exc: BaseException) -> str:
     """One line for a failed write: the OS reason with its errno name, or the first line of torch's message."""
     if isinstance(exc, OSError) and exc.errno is not None:
         name = errno.errorcode.get(exc.errno, "")
@@ -230,7 +231,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict, finite: Iterable[str] 
         mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
         tmp = tempfile.NamedTemporaryFile(delete=False, dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
-        raise CheckpointError(f"could not write the checkpoint {path}: {_describe(exc)}") from exc
+        raise CheckpointError(f"could not write the checkpoint {path}: {describe_write_error(exc)}") from exc
     try:
         with tmp as f:
             torch.save(payload, f)
@@ -247,7 +248,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict, finite: Iterable[str] 
             # Disk full, read-only dir, or torch's "[enforce fail at inline_container.cc]" (its wrapper of a
             # failed write): say what failed; the previous checkpoint was never touched.
             kept = "; the previous checkpoint is unchanged" if path.exists() else ""
-            raise CheckpointError(f"could not write the checkpoint {path}: {_describe(exc)}{kept}") from exc
+            raise CheckpointError(f"could not write the checkpoint {path}: {describe_write_error(exc)}{kept}") from exc
         raise
     _fsync_dir(directory)
 

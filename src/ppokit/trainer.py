@@ -243,6 +243,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
     # ================================================================== the loop
     def run(self) -> Run:
         """Train until ``total_timesteps`` (or Ctrl-C, which finishes the update, saves and returns)."""
+        from .logger import SinkError
+
         cfg = self.config
         old_handler = _install_sigint(self)
         start_time = time.perf_counter()
@@ -312,6 +314,11 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 self._note_interrupt()
                 if saved_update != self.update_idx and self.dist.is_main:
                     self.save()
+        except SinkError as exc:
+            # TensorBoard could not write (a full disk): this update's learner state is whole, save it first.
+            error = self._sink_failed(exc)
+            self._abandon()
+            raise error from None
         except BaseException:
             # A crash or a second Ctrl-C: the last checkpoint stands (writes are atomic); free the run dir.
             self._abandon()

@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from ppokit import distributed
     from ppokit.checkpoint import CheckpointError
     from ppokit.envs.errors import EnvError
+    from ppokit.logger import SinkError
 
     # Under torchrun every rank runs this: rank 0 alone says what it trains (and writes the run dir); an error is
     # printed by the rank that met it, tagged with its rank (another rank's env failure is the news).
@@ -180,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, CheckpointError) as exc:
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    except EnvError as exc:
-        # The env raised, or returned what its spaces do not allow; the trainer saved what it could.
+    except (EnvError, SinkError) as exc:
+        # The env raised, or returned what its spaces do not allow, or TensorBoard could not write (a full disk);
+        # the trainer saved what it could.
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
     except ValueError as exc:
