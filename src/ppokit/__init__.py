@@ -8,9 +8,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # First, before the imports below: on the command line a Ctrl-C during start-up exits 130 without a traceback.
-from ppokit.cli import defer_startup_interrupt as _defer_startup_interrupt  # noqa: E402
-
-_defer_startup_interrupt()
+from ppokit import interrupts as _interrupts  # noqa: E402,F401  (defers a start-up Ctrl-C on import)
 
 _LAZY = {
     "PPOConfig": "ppokit.config",
