@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from ppokit.interrupts import INTERRUPTED, startup_interrupted
+from ppokit.interrupts import INTERRUPTED, enter_main
 
 # Modules that provide subcommands, in the order ``--help`` lists them.
 _COMMAND_MODULES = [
@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ppokit`` console script; returns the process exit code (130 after a Ctrl-C that
     the command did not handle itself, e.g. one during the imports of start-up, with no traceback)."""
     try:
-        if startup_interrupted():
-            return INTERRUPTED
+        enter_main()  # raises the KeyboardInterrupt of a Ctrl-C during start-up
         argv = list(sys.argv[1:] if argv is None else argv)
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -1,30 +1,58 @@
-"""Ctrl-C during the command line's start-up: exit 130 quietly, never a KeyboardInterrupt traceback.
+"""Ctrl-C on the command line: exit 130 quietly at any moment, never a KeyboardInterrupt traceback.
 
 ``import ppokit`` imports this module first. When the interpreter was started to run ppokit's command line
-(``python -m ppokit``, the ``ppokit`` console script), a SIGINT that arrives during the imports that follow (numpy,
-gymnasium, torch) only sets a flag; ``cli.main`` restores Python's handler, reads the flag and exits 130, and turns
-any later KeyboardInterrupt a command does not handle into 130 too. A program that imports ppokit keeps its own
-SIGINT handling. Before this module runs only the interpreter has (``site``, ``runpy``), and CPython reports an
-interrupt there itself.
+(``python -m ppokit``, the ``ppokit`` console script), a SIGINT during start-up (the imports of numpy, gymnasium,
+torch) is held until ``cli.main`` starts, and one during any later import until that import is done; then it is
+Python's usual KeyboardInterrupt, which ``cli.main`` turns into exit code 130 (the trainer installs its own
+handler while it trains). A program that imports ppokit keeps its own SIGINT handling. Before this module runs
+only the interpreter has (``site``, ``runpy``), and CPython reports an interrupt there itself.
 """
 
 from __future__ import annotations
 
+import _thread
 import signal
 import sys
+import threading
+from typing import Any
 
-__all__ = ["INTERRUPTED", "started_as_command", "defer_startup_interrupt", "startup_interrupted"]
+__all__ = ["INTERRUPTED", "started_as_command", "defer_startup_interrupt", "enter_main"]
 
 # Ctrl-C exits with 128 + SIGINT, as a shell reports a command the signal ended.
 INTERRUPTED = 130
-_startup_interrupted = False
+# How soon a Ctrl-C held during an import is tried again (the import is then usually done).
+_RETRY_S = 0.02
+_pending = False
+_main_started = False
 
 
-def _note_startup_interrupt(signum, frame) -> None:
-    # Only a flag: raising here would surface as a KeyboardInterrupt traceback from inside whatever import the
-    # signal landed in (torch, gymnasium); main() reads the flag and exits 130.
-    global _startup_interrupted
-    _startup_interrupted = True
+def _in_import(frame: Any) -> bool:
+    """Whether the interrupted code is inside an ``import`` (importlib's frames are on the stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    # A KeyboardInterrupt raised inside an import is printed as a traceback from deep inside it, and inside a
+    # C++ callback of torch's initialisation aborts the process (measured: "terminate called after throwing
+    # an instance of 'pybind11::error_already_set'", exit -6). So: held until main() starts (which exits 130),
+    # and after that until the import is done, tried again every _RETRY_S; elsewhere Python's usual
+    # KeyboardInterrupt, which main() turns into exit code 130.
+    global _pending
+    if not _main_started:
+        _pending = True
+        return
+    if _in_import(frame):
+        _pending = True
+        timer = threading.Timer(_RETRY_S, _thread.interrupt_main, args=(signal.SIGINT,))
+        timer.daemon = True
+        timer.start()
+        return
+    _pending = False
+    raise KeyboardInterrupt
 
 
 def _is_ppokit_module(name: str) -> bool:
@@ -56,29 +84,35 @@ def started_as_command(orig_argv: list[str] | None = None) -> bool:
 
 
 def defer_startup_interrupt() -> None:
-    """When this process is ppokit's command line, hold a Ctrl-C that arrives during start-up (the package's
-    imports, before ``main`` runs) until ``main``, which exits 130 without a traceback. ``import ppokit`` calls
-    this first thing; a program that imports ppokit keeps its own SIGINT handling."""
-    global _startup_interrupted
+    """When this process is ppokit's command line, install the Ctrl-C handler that holds an interrupt during
+    start-up and during imports (``_on_sigint``). ``import ppokit`` calls this first thing; a program that imports
+    ppokit keeps its own SIGINT handling."""
     # Installed first and checked after: every statement before the install is a moment a Ctrl-C would still
     # raise (measured: an interrupt landed inside the command-line check, and signal.getsignal builds an enum).
     try:
-        previous = signal.signal(signal.SIGINT, _note_startup_interrupt)
+        previous = signal.signal(signal.SIGINT, _on_sigint)
     except ValueError:  # not the main thread: signals are not this thread's to handle
         return
     if previous is not signal.default_int_handler or not started_as_command():
         signal.signal(signal.SIGINT, previous)  # a program importing ppokit, or its own handler: left as it was
-    if _startup_interrupted and signal.getsignal(signal.SIGINT) is not _note_startup_interrupt:
-        _startup_interrupted = False
-        signal.raise_signal(signal.SIGINT)  # one that arrived in between belongs to the restored handler
+        if _pending:
+            _reset()
+            signal.raise_signal(signal.SIGINT)  # one that arrived in between belongs to the restored handler
 
 
-def startup_interrupted() -> bool:
-    """Whether a Ctrl-C arrived during start-up; from this call on a Ctrl-C is a KeyboardInterrupt again (the
-    trainer installs its own handler)."""
-    if signal.getsignal(signal.SIGINT) is _note_startup_interrupt:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    return _startup_interrupted  # read after restoring: a Ctrl-C in between raised instead of setting it
+def _reset() -> None:
+    global _pending
+    _pending = False
+
+
+def enter_main() -> None:
+    """Called first by ``cli.main`` (inside its ``try``): a Ctrl-C held since start-up raises KeyboardInterrupt
+    now, and later ones do at once (outside imports)."""
+    global _main_started
+    _main_started = True
+    if _pending:
+        _reset()
+        raise KeyboardInterrupt
 
 
 defer_startup_interrupt()

@@ -196,8 +196,9 @@ def run(args: argparse.Namespace) -> int:
                   "continue with ppokit train --resume RUN_DIR", highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
-        # The second Ctrl-C (the first one finishes the update and saves): the last checkpoint is intact.
-        say.print("aborted by a second Ctrl-C; the run dir keeps its last checkpoint", highlight=False)
+        # A second Ctrl-C (the first one finishes the update and saves), or one before training started: any
+        # checkpoint already written is intact (writes are atomic).
+        say.print("interrupted by Ctrl-C; any checkpoint already in the run dir is intact", highlight=False)
         return 130
     finally:
         if launched:
