@@ -6,6 +6,7 @@ this file only wires them together, so ``ppokit --help`` stays cheap (heavy impo
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -40,9 +41,6 @@ def version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
-    # Imported here: ``import ppokit`` imports this module before its handler for Ctrl-C is in place.
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="ppokit",
         description="Proximal Policy Optimization: train, evaluate, plan and diagnose PPO runs.",
@@ -59,16 +57,20 @@ def main(argv: list[str] | None = None) -> int:
     the command did not handle itself, e.g. one during the imports of start-up, with no traceback)."""
     try:
         enter_main()  # raises the KeyboardInterrupt of a Ctrl-C during start-up
-        argv = list(sys.argv[1:] if argv is None else argv)
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if not hasattr(args, "handler"):
-            parser.print_help()
-            return 2
-        _plain_warnings()
-        return int(args.handler(args) or 0)
+        return _run(argv)
     except KeyboardInterrupt:
         return INTERRUPTED
+
+
+def _run(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    _plain_warnings()
+    return int(args.handler(args) or 0)
 
 
 def _plain_warnings() -> None:
