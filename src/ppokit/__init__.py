@@ -7,6 +7,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# First, before the imports below: on the command line a Ctrl-C during start-up exits 130 without a traceback.
+from ppokit import interrupts as _interrupts  # noqa: E402,F401  (defers a start-up Ctrl-C on import)
+
 _LAZY = {
     "PPOConfig": "ppokit.config",
     "ConfigError": "ppokit.config",

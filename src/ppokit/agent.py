@@ -142,12 +142,67 @@ def stored_config(state: dict, path: str | Path, allow_import: Any = (), env: An
 
 
 def spaces_record(obs_space: Any, act_space: Any) -> dict[str, Any]:
-    """What a checkpoint keeps of the run's spaces: their text (cut to a readable length) and Box action bounds."""
-    record: dict[str, Any] = {"observation": str(obs_space)[:300], "action": str(act_space)[:300]}
+    """What a checkpoint keeps of the run's spaces: their text (cut to a readable length), their signatures
+    (``space_signature``) and Box action bounds."""
+    record: dict[str, Any] = {"observation": str(obs_space)[:300], "action": str(act_space)[:300],
+                              "observation_signature": space_signature(obs_space),
+                              "action_signature": space_signature(act_space)}
     if hasattr(act_space, "low") and hasattr(act_space, "high"):
         record["action_low"] = torch.as_tensor(np.asarray(act_space.low, dtype=np.float32))
         record["action_high"] = torch.as_tensor(np.asarray(act_space.high, dtype=np.float32))
     return record
+
+
+def space_signature(space: Any) -> Any:
+    """What a policy depends on in a space, in checkpoint-safe types: its kind and sizes (a Box's shape and dtype,
+    a Discrete's n and start, a MultiDiscrete's nvec), nested for Dict and Tuple. An observation Box's bounds are
+    left out (the policy never reads them; a library upgrade may tighten them); action bounds are compared
+    separately, as numbers."""
+    import gymnasium as gym
+
+    spaces = gym.spaces
+    if isinstance(space, spaces.Dict):
+        return {"type": "Dict", "spaces": {str(k): space_signature(v) for k, v in space.spaces.items()}}
+    if isinstance(space, spaces.Tuple):
+        return {"type": "Tuple", "spaces": [space_signature(v) for v in space.spaces]}
+    signature: dict[str, Any] = {"type": type(space).__name__,
+                                 "shape": list(space.shape) if space.shape is not None else None,
+                                 "dtype": str(space.dtype) if space.dtype is not None else None}
+    if isinstance(space, spaces.Discrete):
+        signature.update(n=int(space.n), start=int(space.start))
+    elif isinstance(space, spaces.MultiDiscrete):
+        signature["nvec"] = [int(n) for n in np.asarray(space.nvec).reshape(-1)]
+    return signature
+
+
+def check_stored_spaces(spaces: Any, obs_space: Any, act_space: Any, env_id: str, source: Any) -> None:
+    """CheckpointError naming both sides when ``env_id``'s spaces are not those the checkpoint's ``spaces`` record
+    says the policy was trained on (signatures and Box action bounds; a record without them, from before they
+    were stored, is checked through the policy's own shapes instead)."""
+    if spaces is None:
+        return
+    if not isinstance(spaces, dict):
+        raise ckpt.CheckpointError(f"{source} has a malformed 'spaces' entry ({type(spaces).__name__})")
+    same = True
+    for key, space in (("observation_signature", obs_space), ("action_signature", act_space)):
+        if key in spaces and spaces[key] != space_signature(space):
+            same = False
+    if "action_low" in spaces and hasattr(act_space, "low"):
+        for key, bound in (("action_low", act_space.low), ("action_high", act_space.high)):
+            stored = np.asarray(torch.as_tensor(spaces[key]).cpu().numpy(), dtype=np.float32)
+            now = np.asarray(bound, dtype=np.float32)
+            if stored.shape != now.shape or not np.allclose(stored, now, rtol=1e-6, atol=0.0):
+                same = False
+    if not same:
+        raise ckpt.CheckpointError(
+            f"{source} holds a policy trained on observation space {_one_line(spaces.get('observation'))} and action "
+            f"space {_one_line(spaces.get('action'))}, but its config's env {env_id} has observation space "
+            f"{_one_line(obs_space)} and action space {_one_line(act_space)}; the config does not belong to this policy")
+
+
+def _one_line(space: Any) -> str:
+    """A space (or its stored text) on one line: numpy wraps a long Box's bounds over several."""
+    return " ".join(str(space).split())
 
 
 def describe_policy_spec(spec: Any) -> str:
@@ -178,11 +233,43 @@ def _check_env_fits(policy: ActorCritic, env: Any, env_id: str, spaces: dict | N
                                                  getattr(policy, "obs_encoding", None)):
         return
     if spaces and "observation" in spaces and "action" in spaces:
-        run = f"observation space {spaces['observation']} and action space {spaces['action']}"
+        run = f"observation space {_one_line(spaces['observation'])} and action space {_one_line(spaces['action'])}"
     else:  # checkpoints from before the spaces were stored
         run = describe_policy_spec(policy.spec())
     raise ValueError(f"{env_id} does not match the trained policy: the run was trained on {run}, but {env_id} has "
-                     f"observation space {obs_space} and action space {act_space}")
+                     f"observation space {_one_line(obs_space)} and action space {_one_line(act_space)}")
+
+
+def _check_own_env(policy: ActorCritic, config: PPOConfig, spaces: Any, path: Path,
+                   need_bounds: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Build the config's env and refuse a checkpoint whose policy or stored spaces do not match it (a config
+    edited to name another env); returns its action bounds for a continuous policy, else ``(None, None)``.
+
+    An env this process cannot build (not registered here, an extra not installed) is a warning: acting needs no
+    env, ``evaluate`` then says what is missing. Old checkpoints without stored bounds need the env to act.
+    """
+    try:
+        env = _make_eval_env(config.env_id, env_kwargs=dict(config.env_kwargs))
+    except Exception as exc:  # noqa: BLE001 - any failure to build leaves only the check undone, and says so
+        if need_bounds and policy.kind == "continuous":
+            raise
+        import warnings
+
+        warnings.warn(f"{path}: could not build its env {config.env_id!r} to check the policy against it "
+                      f"({ckpt.one_line(exc, 160)}); loaded without that check", ckpt.CheckpointWarning, stacklevel=3)
+        return None, None
+    try:
+        try:
+            _check_env_fits(policy, env, config.env_id, spaces if isinstance(spaces, dict) else None)
+        except ValueError as exc:
+            raise ckpt.CheckpointError(f"{path}: its config's env {exc}; the config does not belong to this "
+                                       "policy") from None
+        check_stored_spaces(spaces, env.observation_space, env.action_space, config.env_id, path)
+        if policy.kind == "continuous":
+            return np.asarray(env.action_space.low), np.asarray(env.action_space.high)
+        return None, None
+    finally:
+        env.close()
 
 
 def _custom(env: Any, env_id: str | None) -> tuple[str | None, Any]:
@@ -226,7 +313,8 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
     if path.is_dir():
         path = path / CHECKPOINT_NAME
     # The policy and normalizer must be finite whatever the writer claimed ("finite" is part of the file).
-    state = ckpt.load_checkpoint(path, map_location=device, require_finite=("policy", "obs_norm"))
+    state = ckpt.load_checkpoint(path, map_location=device, require_finite=("policy", "obs_norm"),
+                                 require_bounded=ckpt.BOUNDED_KEYS)
     # The caller named the env to act in: the stored id stays a record and is never built, so its module
     # part imports nothing and needs no permission.
     given = env_id if env_fn is None else env_fn
@@ -252,13 +340,15 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
             obs_norm.load_state_dict(state["obs_norm"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise ckpt.CheckpointError(f"{path} has an unusable observation normalizer: {ckpt.one_line(exc)}") from exc
+    ckpt.check_counters(state, config.batch_size, path)
     spaces = state.get("spaces") if isinstance(state.get("spaces"), dict) else None
     act_env = env_fn.name if env_fn is not None else env_id or config.env_id
     low = high = None
-    stored_only = env_id is None and env_fn is None and custom is not None  # a record: nothing to build
-    if env_id is not None or env_fn is not None or (
-            policy.kind == "continuous" and not (spaces and "action_low" in spaces) and not stored_only):
-        # Build the env only when needed: to check the caller's env, or for old checkpoints' action bounds.
+    given = env_id is not None or env_fn is not None
+    stored_only = not given and custom is not None  # a record: nothing to build
+    stored_bounds = bool(spaces and "action_low" in spaces)
+    if given:
+        # The caller's env: it must fit the policy (its bounds are the ones to act in).
         env = _make_eval_env(act_env, env_kwargs=_run_kwargs(config, act_env, env_fn), env_fn=env_fn)
         act_env = env_fn.name if env_fn is not None else act_env
         try:
@@ -268,7 +358,9 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
         finally:
             if env_fn is None or env_fn.kind == "factory":  # the caller's instance stays usable for evaluate()
                 env.close()
-    elif policy.kind == "continuous":
+    elif not stored_only:
+        low, high = _check_own_env(policy, config, state.get("spaces"), path, need_bounds=not stored_bounds)
+    if policy.kind == "continuous" and low is None and stored_bounds:
         low, high = spaces["action_low"].numpy(), spaces["action_high"].numpy()
     return Agent(policy, config, obs_norm, low, high, env_id=act_env, spaces=spaces, env_fn=env_fn,
                  custom_env=None if env_id is not None or env_fn is not None else custom)

@@ -4,7 +4,8 @@ Loading always goes through ``torch.load(..., weights_only=True)``, so a checkpo
 can at worst fail to load; it can never execute a pickled payload. Saving checks the state up front for
 anything that restricted loader would refuse, so a run never writes a checkpoint it cannot read back, and
 refuses non-finite tensors in the learner's state (``finite=``: policy, optimizer, normalizers), so a diverged
-run cannot overwrite the last good checkpoint with NaNs. Raw environment buffers may hold the NaN an env
+run cannot overwrite the last good checkpoint with NaNs, and weights beyond ``WEIGHT_BOUND`` (``bounded=``: the
+policy), which no trained policy reaches and a forged file would use. Raw environment buffers may hold the NaN an env
 emitted; they are stored as they are.
 
 Format version 2 stores a SHA-256 over every value (tensor bytes, dtypes, shapes, numbers, strings) and the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import pickle
 import random
@@ -41,13 +43,17 @@ __all__ = [
     "CheckpointWarning",
     "FORMAT",
     "LEARNER_KEYS",
+    "BOUNDED_KEYS",
     "VERSION",
     "save_checkpoint",
     "load_checkpoint",
     "rng_state",
     "set_rng_state",
     "check_stored_env_id",
+    "check_counters",
+    "WEIGHT_BOUND",
     "one_line",
+    "describe_write_error",
 ]
 
 FORMAT = "ppokit-checkpoint"
@@ -57,6 +63,14 @@ VERSION = 2
 # The keys of a ppokit training checkpoint that hold the learner: these must be finite to save or load.
 # Everything else (env buffers, episode counters) may legitimately hold what a misbehaving env produced.
 LEARNER_KEYS = ("policy", "optimizer", "obs_norm", "reward_scaler")
+# The keys whose weights must lie within +-WEIGHT_BOUND (the normalizers hold raw observation and return
+# statistics, which may be any size; Adam's second moments are squared gradients).
+BOUNDED_KEYS = ("policy",)
+
+# |weight| above this is refused in the policy (save and load). Orthogonal initialization gives |w| <= ~1.5 and
+# Adam moves a weight by at most ~learning_rate per update, so even 10^6 updates at learning rate 1 stay below
+# it; float32 allows 3.4e38, which a forged file can use to make every action and value meaningless.
+WEIGHT_BOUND = 1e6
 
 _RESERVED = ("format", "version", "checksum", "finite")
 # Exact types, not isinstance: numpy scalars subclass float and IntEnums subclass int, yet the restricted
@@ -83,11 +97,22 @@ def _nonfinite(t: torch.Tensor) -> bool:
     return (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
 
 
-def _validate(obj: Any, where: str, active: set[int], finite: bool = True) -> None:
+def _largest(t: torch.Tensor) -> float:
+    """The element of a float tensor farthest from 0, with its sign (0 for an empty or non-float tensor)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0.0
+    flat = t.detach().reshape(-1)
+    return float(flat[flat.abs().argmax()])
+
+
+def _validate(obj: Any, where: str, active: set[int], finite: bool = True, bounded: bool = False) -> None:
     cls = type(obj)
     if cls in _TENSORS:
         if finite and _nonfinite(obj):
             raise CheckpointError(f"{where} contains NaN or Inf; refusing to checkpoint a diverged state")
+        if bounded and abs(_largest(obj)) > WEIGHT_BOUND:
+            raise CheckpointError(f"{where} holds a weight of {_largest(obj):.3g}, beyond +-{WEIGHT_BOUND:g}; refusing "
+                                  "to checkpoint a diverged policy")
         return
     if cls in _LEAVES:
         return
@@ -104,10 +129,10 @@ def _validate(obj: Any, where: str, active: set[int], finite: bool = True) -> No
             for key, value in obj.items():
                 if type(key) not in _LEAVES:
                     raise CheckpointError(f"{where} has a key of type {_type_name(key)}; keys must be str or numbers")
-                _validate(value, f"{where}[{key!r}]", active, finite)
+                _validate(value, f"{where}[{key!r}]", active, finite, bounded)
         else:
             for i, value in enumerate(obj):
-                _validate(value, f"{where}[{i}]", active, finite)
+                _validate(value, f"{where}[{i}]", active, finite, bounded)
     finally:
         active.discard(id(obj))
 
@@ -162,7 +187,7 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _describe(exc: BaseException) -> str:
+def describe_write_error(exc: BaseException) -> str:
     """One line for a failed write: the OS reason with its errno name, or the first line of torch's message."""
     if isinstance(exc, OSError) and exc.errno is not None:
         name = errno.errorcode.get(exc.errno, "")
@@ -176,11 +201,13 @@ def _describe(exc: BaseException) -> str:
     return one_line(exc)
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict, finite: Iterable[str] | None = None) -> None:
+def save_checkpoint(path: str | os.PathLike, state: dict, finite: Iterable[str] | None = None,
+                    bounded: Iterable[str] = ()) -> None:
     """Atomically write ``state`` (plus the ppokit format marker and a checksum) to ``path``.
 
-    ``finite`` names the top-level keys whose tensors must be free of NaN/Inf (default: every key). The old file
-    survives any failure; a failed write raises :class:`CheckpointError` naming the path and the reason.
+    ``finite`` names the top-level keys whose tensors must be free of NaN/Inf (default: every key), ``bounded``
+    those whose float values must lie within +-``WEIGHT_BOUND``. The old file survives any failure; a failed
+    write raises :class:`CheckpointError` naming the path and the reason.
     """
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint state must be a dict, got {_type_name(state)}")
@@ -188,10 +215,11 @@ def save_checkpoint(path: str | os.PathLike, state: dict, finite: Iterable[str] 
     if clash:
         raise CheckpointError(f"state uses reserved key(s) {clash}; ppokit writes those itself")
     finite_keys = None if finite is None else [str(k) for k in finite]
+    bounded_keys = {str(k) for k in bounded}
     for key, value in state.items():
         if type(key) not in _LEAVES:
             raise CheckpointError(f"state has a key of type {_type_name(key)}; keys must be str or numbers")
-        _validate(value, f"state[{key!r}]", set(), finite_keys is None or key in finite_keys)
+        _validate(value, f"state[{key!r}]", set(), finite_keys is None or key in finite_keys, key in bounded_keys)
     payload = {"format": FORMAT, "version": VERSION, "finite": finite_keys, **state}
     payload["checksum"] = {"sha256": _checksum(payload)}
 
@@ -203,7 +231,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict, finite: Iterable[str] 
         mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
         tmp = tempfile.NamedTemporaryFile(delete=False, dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
-        raise CheckpointError(f"could not write the checkpoint {path}: {_describe(exc)}") from exc
+        raise CheckpointError(f"could not write the checkpoint {path}: {describe_write_error(exc)}") from exc
     try:
         with tmp as f:
             torch.save(payload, f)
@@ -220,29 +248,34 @@ def save_checkpoint(path: str | os.PathLike, state: dict, finite: Iterable[str] 
             # Disk full, read-only dir, or torch's "[enforce fail at inline_container.cc]" (its wrapper of a
             # failed write): say what failed; the previous checkpoint was never touched.
             kept = "; the previous checkpoint is unchanged" if path.exists() else ""
-            raise CheckpointError(f"could not write the checkpoint {path}: {_describe(exc)}{kept}") from exc
+            raise CheckpointError(f"could not write the checkpoint {path}: {describe_write_error(exc)}{kept}") from exc
         raise
     _fsync_dir(directory)
 
 
-def _check_finite(obj: Any, where: str, path: Path) -> None:
+def _check_finite(obj: Any, where: str, path: Path, bounded: bool = False) -> None:
     if type(obj) in _TENSORS:
         if _nonfinite(obj):
             raise CheckpointError(f"{path}: {where} contains NaN or Inf; refusing to load a diverged learner")
+        if bounded and abs(_largest(obj)) > WEIGHT_BOUND:
+            raise CheckpointError(f"{path}: {where} holds a weight of {_largest(obj):.3g}, beyond +-{WEIGHT_BOUND:g}, "
+                                  "which no trained policy reaches; refusing to load it (forged or diverged)")
     elif isinstance(obj, dict):
         for key, value in obj.items():
-            _check_finite(value, f"{where}[{key!r}]", path)
+            _check_finite(value, f"{where}[{key!r}]", path, bounded)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            _check_finite(value, f"{where}[{i}]", path)
+            _check_finite(value, f"{where}[{i}]", path, bounded)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu",
-                    require_finite: Iterable[str] = ()) -> dict:
+                    require_finite: Iterable[str] = (), require_bounded: Iterable[str] = ()) -> dict:
     """Load a ppokit checkpoint with ``weights_only=True``; anything else raises :class:`CheckpointError`.
 
     The checksum (format 2) is verified, and the keys the writer checked finite, plus ``require_finite``, must
-    hold no NaN/Inf. The returned dict holds ``format``, ``version`` and the saved state.
+    hold no NaN/Inf; the float values under ``require_bounded`` must lie within +-``WEIGHT_BOUND`` (whatever the
+    writer claimed: the checksum proves only that the file is as written, not who wrote it). The returned dict
+    holds ``format``, ``version`` and the saved state.
     """
     path = Path(path)
     if not path.exists():
@@ -293,10 +326,39 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu",
                                             and all(isinstance(k, str) for k in finite_keys)):
             raise CheckpointError(f"{path} has a malformed 'finite' entry {finite_keys!r}")
     keys = [k for k in obj if k not in _RESERVED] if finite_keys is None else list(finite_keys)
-    for key in dict.fromkeys([*keys, *require_finite]):
+    bounded = set(require_bounded)
+    for key in dict.fromkeys([*keys, *require_finite, *bounded]):
         if key in obj:
-            _check_finite(obj[key], f"state[{key!r}]", path)
+            _check_finite(obj[key], f"state[{key!r}]", path, key in bounded)
     return obj
+
+
+def check_counters(state: dict, batch_size: int, path: str | os.PathLike) -> None:
+    """Refuse a training checkpoint whose counters no run can have written.
+
+    ``global_step`` and ``update`` are non-negative integers; every update adds one batch per rank
+    (``batch_size`` = num_envs * num_steps of the stored config), so ``global_step`` is a multiple of the batch
+    and at least ``update`` batches (more when ranks were added on a resume), and 0 before the first update.
+    ``kl_beta`` (ppo-kl's penalty, halved or doubled each update, so a long run may reach 0) is finite and >= 0; ``perf`` maps names to non-negative seconds.
+    """
+    step, update = state.get("global_step"), state.get("update")
+    for name, value in (("global_step", step), ("update", update)):
+        if name in state and (type(value) is not int or value < 0):
+            raise CheckpointError(f"{path} cannot be used: its {name} is {value!r}, not a non-negative integer "
+                                  "(the file was forged or damaged)")
+    if type(step) is int and type(update) is int and (
+            step % batch_size != 0 or step < update * batch_size or (update == 0) != (step == 0)):
+        raise CheckpointError(f"{path} cannot be used: its global_step {step:,} does not fit update {update:,} "
+                              f"with a batch of {batch_size:,} steps (each update adds one batch per rank, so "
+                              f"global_step is a multiple of the batch, at least {update * batch_size:,})")
+    if "kl_beta" in state:
+        beta = state["kl_beta"]
+        if type(beta) not in (int, float) or not math.isfinite(beta) or beta < 0:
+            raise CheckpointError(f"{path} cannot be used: its kl_beta is {beta!r}, not a finite number >= 0")
+    perf = state.get("perf", {})
+    if not isinstance(perf, dict) or not all(
+            isinstance(k, str) and type(v) in (int, float) and math.isfinite(v) and v >= 0 for k, v in perf.items()):
+        raise CheckpointError(f"{path} cannot be used: its perf entry is not a map of names to seconds >= 0")
 
 
 def check_stored_env_id(env_id: Any, allow_import: Iterable[str], source: str | os.PathLike) -> None:

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from ppokit.interrupts import INTERRUPTED, enter_main
+
 # Modules that provide subcommands, in the order ``--help`` lists them.
 _COMMAND_MODULES = [
     "ppokit.commands.train",
@@ -51,7 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``ppokit`` console script; returns the process exit code."""
+    """Entry point of the ``ppokit`` console script; returns the process exit code (130 after a Ctrl-C that
+    the command did not handle itself, e.g. one during the imports of start-up, with no traceback)."""
+    try:
+        enter_main()  # raises the KeyboardInterrupt of a Ctrl-C during start-up
+        return _run(argv)
+    except KeyboardInterrupt:
+        return INTERRUPTED
+
+
+def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

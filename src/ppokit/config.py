@@ -229,7 +229,10 @@ class PPOConfig:
         need(len(self.hidden_sizes) >= 1 and all(isinstance(h, int) and 1 <= h <= 1 << 20 for h in self.hidden_sizes),
              "hidden_sizes", f"must be a non-empty list of integers in [1, {1 << 20}], got {self.hidden_sizes!r}")
         need(self.env_id != "", "env_id", "must be a non-empty environment id")
-        need(self.wandb_project.strip() != "", "wandb_project", "must be a non-empty Weights & Biases project name")
+        from .wandb_sink import project_name_problem
+
+        project_problem = project_name_problem(self.wandb_project)
+        need(project_problem is None, "wandb_project", project_problem or "")
         need(not self.capture_video or self.vector_mode == "sync", "capture_video",
              f"records env 0 of a sync vector env; vector_mode {self.vector_mode!r} runs the envs elsewhere: set "
              "vector_mode = sync")

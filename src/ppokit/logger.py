@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -22,7 +23,7 @@ from rich.table import Table
 
 from . import schema as S
 
-__all__ = ["CSVSink", "TensorBoardSink", "ConsoleSink", "MetricsLogger"]
+__all__ = ["CSVSink", "TensorBoardSink", "ConsoleSink", "MetricsLogger", "SinkError"]
 
 # Each console column shows the schema's key (schema.py) and accepts a few other spellings (CleanRL's, SB3's), so
 # metrics from another trainer still display.
@@ -203,8 +204,34 @@ class CSVSink:
         self.close()
 
 
+class SinkError(Exception):
+    """A metrics sink could not write its files (a full disk, a removed directory); the message is one line
+    naming the sink, its path and the reason."""
+
+
+# TensorBoard's event-file writer thread (tensorboard.summary.writer.event_file_writer._AsyncWriterThread) stores
+# a failed write and re-raises it, so threading.excepthook prints its ~18-line traceback; TensorBoard raises the
+# same error again in the writing thread at the next write or flush (_AsyncWriter._check_worker_status), where the
+# sink turns it into one line. So the hook stays quiet for those threads only and passes on every other thread's.
+_TB_WRITER_MODULE = "tensorboard.summary.writer.event_file_writer"
+
+
+def _quiet_tensorboard_writer_threads() -> None:
+    previous = threading.excepthook
+    if getattr(previous, "ppokit_quiet_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__module__ != _TB_WRITER_MODULE:
+            previous(args)
+
+    hook.ppokit_quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class TensorBoardSink:
-    """Scalars and text to TensorBoard event files under ``log_dir``."""
+    """Scalars and text to TensorBoard event files under ``log_dir``. Any failure to write them (here or in
+    TensorBoard's writer thread) raises :class:`SinkError` and closes the sink."""
 
     def __init__(self, log_dir: str | os.PathLike, flush_secs: int = 10, purge_step: int | None = None):
         """``purge_step``: a resumed run's first new step; TensorBoard then hides the events at and after it that
@@ -212,9 +239,32 @@ class TensorBoardSink:
         # Imported here so runs without TensorBoard do not pay for loading it.
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_tensorboard_writer_threads()
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs, purge_step=purge_step)
+        self._closed = True  # until the writer exists
+        self._writer = self._guard(lambda: SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs,
+                                                         purge_step=purge_step))
         self._closed = False
+
+    def _guard(self, action: Any) -> Any:
+        """``action()``, or SinkError naming the event files and the reason (the sink is then closed)."""
+        from .checkpoint import describe_write_error
+
+        try:
+            return action()
+        except Exception as exc:  # noqa: BLE001 - TensorBoard re-raises whatever its writer thread met
+            self._abort()
+            raise SinkError(f"TensorBoard could not write its event file in {self.log_dir}: "
+                            f"{describe_write_error(exc)}") from None
+
+    def _abort(self) -> None:
+        """Close after a failure, quietly: the failure is what gets reported."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - the same full disk, again
+                pass
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """Add one scalar per finite metric; NaN/Inf are skipped so plots show gaps, not spikes."""
@@ -225,11 +275,11 @@ class TensorBoardSink:
         values = [Summary.Value(tag=key, simple_value=_as_float(value))
                   for key, value in metrics.items() if _is_finite(value)]
         if values:
-            self._writer.file_writer.add_summary(Summary(value=values), int(step))
+            self._guard(lambda: self._writer.file_writer.add_summary(Summary(value=values), int(step)))
 
     def text(self, step: int, tag: str, text: str) -> None:
         """Add a markdown text entry under ``tag``."""
-        self._writer.add_text(tag, text, global_step=int(step))
+        self._guard(lambda: self._writer.add_text(tag, text, global_step=int(step)))
 
     def hparams(self, step: int, config: dict[str, Any], metrics: Iterable[str] = ()) -> None:
         """The run's hyperparameters, twice: a markdown table under the text tag ``hparams`` (readable in the
@@ -243,17 +293,19 @@ class TensorBoardSink:
         # Written into this run's own event file (add_hparams would start a separate run dir for them).
         experiment, session_start, _ = hparams(plain, dict.fromkeys(metrics, 0.0))
         for summary in (experiment, session_start):
-            self._writer.file_writer.add_summary(summary, int(step))
+            self._guard(lambda: self._writer.file_writer.add_summary(summary, int(step)))
 
     def flush(self) -> None:
         """Force pending events to disk."""
-        self._writer.flush()
+        self._guard(self._writer.flush)
 
     def close(self) -> None:
         """Flush and close the event file (idempotent)."""
         if not self._closed:
+            # A flush first: it re-raises a failed background write, which SummaryWriter.close would not report.
+            self.flush()
             self._closed = True
-            self._writer.close()
+            self._guard(self._writer.close)
 
 
 class ConsoleSink:
@@ -460,8 +512,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Send one update's metrics to every sink."""
         self.csv.write(step, metrics)
-        if self.tb is not None:
-            self.tb.write(step, metrics)
+        self._to_tensorboard(lambda tb: tb.write(step, metrics))
         for sink in self.sinks:
             sink.write(step, metrics)
         self.console.write(step, metrics)
@@ -484,12 +535,22 @@ class MetricsLogger:
             text = f"**{record['level']}** (step {record['step']:,}): {record['message']}"
             if record["data"] is not None:
                 text += f"\n\n```\n{json.dumps(record['data'], indent=2)}\n```"
-            self.tb.text(step, f"alerts/{name}", text)
+            self._to_tensorboard(lambda tb: tb.text(step, f"alerts/{name}", text))
         for sink in self.sinks:
             if hasattr(sink, "alert"):
                 sink.alert(step, record["level"], record["name"])
         self.console.alert(step, level, name, message)
         return record
+
+    def _to_tensorboard(self, write: Any) -> None:
+        """``write(self.tb)``; a SinkError (the sink closed itself) leaves the run without TensorBoard."""
+        if self.tb is None:
+            return
+        try:
+            write(self.tb)
+        except SinkError:
+            self.tb = None
+            raise
 
     def alerts_overview(self) -> str:
         """One-line count of alerts by level and name, e.g. ``3 (2 warning, 1 error): kl_spike x2, nan_loss``."""

@@ -1,8 +1,9 @@
 """What a config asks of this machine: a device it has, a run dir it can create, memory and CPU cores.
 
-``PPOConfig.validate()`` calls the checks before any environment exists (memory with a one-float observation as
-a lower bound, so ``num_envs = 1e9`` is refused before a billion environments are built); the trainer repeats
-``check_memory`` once the observation size is known and caps its torch threads with ``usable_threads``.
+``PPOConfig.validate()`` calls the checks before any environment exists (memory with a one-float observation and
+the smallest policy of ``hidden_sizes`` as a lower bound, so ``num_envs = 1e9`` or ``hidden_sizes = 1e5,1e5`` is
+refused before anything is built); the trainer repeats ``check_memory`` once the spaces are known, with the policy
+counted exactly, before it builds the policy, and caps its torch threads with ``usable_threads``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from .config import ConfigError
 if TYPE_CHECKING:
     from .config import PPOConfig
 
-__all__ = ["check_device", "check_run_dir", "estimate_memory", "available_memory", "check_memory", "usable_threads"]
+__all__ = ["check_device", "check_run_dir", "memory_parts", "estimate_memory", "policy_parameters", "available_memory",
+           "check_memory", "usable_threads"]
 
 # A device string torch understands; availability is checked separately.
 _DEVICE_RE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
@@ -86,18 +88,72 @@ def layout_bytes(layout: Any) -> int:
     return int(math.prod(shape)) * dtype.itemsize
 
 
-def estimate_memory(config: "PPOConfig", obs_dim: int, obs_bytes: int | None = None) -> int:
-    """Bytes a run needs beyond the interpreter, roughly: rollout storage plus the environments.
+# Bytes per policy parameter during training, float32 each: the weight, its gradient and Adam's two moment
+# estimates; the fused update (fused_update) adds the acting kernel's copy of the weights (acting.py).
+_PARAM_COPIES = 4
+_FUSED_COPIES = 1
+# Per minibatch row (and per acting row), float32 values kept per hidden unit of the actor and the critic: the
+# pre-activation, the activation and, in the backward pass, its gradient.
+_HIDDEN_COPIES = 2 * 3
 
-    Per transition the buffer holds the observation (twice: storage and the update's normalized copy), the
-    action and about 8 floats (log-prob, value, reward, advantage, return, flags), 4 bytes each. ``obs_bytes`` is
-    one stored observation's size (default ``obs_dim`` float32 values; an image is stored as uint8 bytes).
+
+def mlp_parameters(in_dim: int, hidden_sizes: list[int], out_dim: int) -> int:
+    """Weights and biases of an MLP ``in_dim -> hidden_sizes -> out_dim``."""
+    widths = [in_dim, *hidden_sizes, out_dim]
+    return sum((a + 1) * b for a, b in zip(widths, widths[1:]))
+
+
+def smallest_policy(hidden_sizes: list[int]) -> int:
+    """Parameters of the smallest policy with these hidden layers, whatever the spaces: an actor and a critic MLP
+    from one input to one output (a lower bound before the spaces are known)."""
+    return 2 * mlp_parameters(1, hidden_sizes, 1)
+
+
+def policy_parameters(observation_space: Any, action_space: Any, hidden_sizes: list[int], activation: str) -> int:
+    """Parameters of the policy ``policies.build_policy`` makes for these spaces, counted on torch's meta device
+    (shapes only: nothing is allocated and no random number is drawn, so a 10^10-parameter network costs
+    nothing to count)."""
+    import torch
+
+    from .policies import build_policy
+
+    with torch.device("meta"):
+        policy = build_policy(observation_space, action_space, hidden_sizes, activation)
+    return sum(p.numel() for p in policy.parameters())
+
+
+def memory_parts(config: "PPOConfig", obs_dim: int, obs_bytes: int | None = None,
+                 n_params: int | None = None) -> dict[str, int]:
+    """Bytes a run needs beyond the interpreter, roughly, by the config field that sizes each part.
+
+    ``num_envs``/``num_steps``: the rollout storage. Per transition the buffer holds the observation (twice:
+    storage and the update's normalized copy), the action and about 8 floats (log-prob, value, reward, advantage,
+    return, flags), 4 bytes each; ``obs_bytes`` is one stored observation's size (default ``obs_dim`` float32
+    values; an image is stored as uint8 bytes); the environments themselves; the activations of one minibatch
+    and one acting batch. ``eval_episodes``: the evaluation envs. ``hidden_sizes``: the network, ``n_params``
+    parameters (default: ``smallest_policy``, a lower bound before the spaces are known) with their gradients
+    and Adam's moments.
     """
     obs_bytes = obs_dim * 4 if obs_bytes is None else obs_bytes
     per_sample = 2 * obs_bytes + (2 + 8) * 4
     env_bytes = _ENV_BYTES.get(config.vector_mode, _ENV_BYTES_DEFAULT)
-    return (config.num_steps * config.num_envs * per_sample + config.num_envs * env_bytes
-            + config.eval_episodes * (_ENV_BYTES_DEFAULT + obs_dim * 4))
+    if n_params is None:
+        n_params = smallest_policy(config.hidden_sizes)
+    copies = _PARAM_COPIES + (_FUSED_COPIES if config.fused_update else 0)
+    # The activations scale with the batch, so a huge one is the rollout's fault, not the network's.
+    rows = config.batch_size // max(1, config.num_minibatches) + config.num_envs
+    activations = rows * sum(config.hidden_sizes) * _HIDDEN_COPIES * 4
+    return {
+        "rollout": config.num_steps * config.num_envs * per_sample + config.num_envs * env_bytes + activations,
+        "eval": config.eval_episodes * (_ENV_BYTES_DEFAULT + obs_dim * 4),
+        "network": n_params * 4 * copies,
+    }
+
+
+def estimate_memory(config: "PPOConfig", obs_dim: int, obs_bytes: int | None = None,
+                    n_params: int | None = None) -> int:
+    """Bytes a run needs beyond the interpreter, roughly: the sum of :func:`memory_parts`."""
+    return sum(memory_parts(config, obs_dim, obs_bytes, n_params).values())
 
 
 def available_memory(device: str = "cpu") -> int | None:
@@ -122,19 +178,29 @@ def available_memory(device: str = "cpu") -> int | None:
         return None
 
 
-def check_memory(config: "PPOConfig", obs_dim: int, obs_bytes: int | None = None) -> None:
-    """Raise ``ConfigError`` when the run's estimated memory exceeds what the machine has available."""
-    need = estimate_memory(config, obs_dim, obs_bytes)
+def check_memory(config: "PPOConfig", obs_dim: int, obs_bytes: int | None = None,
+                 n_params: int | None = None) -> None:
+    """Raise ``ConfigError`` when the run's estimated memory exceeds what the machine has available, naming the
+    field whose part is the largest (see :func:`memory_parts`)."""
+    parts = memory_parts(config, obs_dim, obs_bytes, n_params)
+    need = sum(parts.values())
     have = available_memory(config.device)
     if have is None or need <= have:
         return
+    sizes = f"need about {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB available on {config.device}"
+    if parts["network"] >= parts["rollout"] and parts["network"] >= parts["eval"]:
+        bound = "at least " if n_params is None else ""  # before the spaces are known: the smallest such policy
+        if n_params is None:
+            n_params = smallest_policy(config.hidden_sizes)
+        raise ConfigError("hidden_sizes", f"{config.hidden_sizes} make a policy of {bound}{n_params:,} parameters, "
+                                          f"which with their gradients and Adam's moment estimates {sizes}; "
+                                          "choose smaller hidden layers")
     name = "num_envs" if config.num_envs >= config.num_steps else "num_steps"
     if config.eval_episodes > config.num_envs * config.num_steps:
         name = "eval_episodes"
     raise ConfigError(name, f"num_envs * num_steps = {config.num_envs:,} x {config.num_steps:,} transitions of "
                             f"{obs_dim} observation floats ({config.num_envs:,} envs, {config.eval_episodes:,} "
-                            f"evaluation envs) need about {need / 2**30:,.1f} GiB, more than the "
-                            f"{have / 2**30:,.1f} GiB available on {config.device}; lower num_envs or num_steps")
+                            f"evaluation envs) {sizes}; lower num_envs or num_steps")
 
 
 def usable_threads(requested: int) -> int:

@@ -35,7 +35,7 @@ from .monitor import Monitor, episode_time_limit
 from .normalize import RewardScaler, make_obs_normalizer
 from .objectives import explained_variance
 from .policies import ActorCritic, Policy, build_policy
-from .resources import check_memory, layout_bytes, usable_threads
+from .resources import check_memory, layout_bytes, policy_parameters, usable_threads
 from .schema import PERF_PHASES
 from .trainer_lifecycle import TrainerLifecycle
 from .trainer_lifecycle import install_sigint as _install_sigint
@@ -124,15 +124,16 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         # Environments and the policy pi_theta.
         self.envs = make_train_envs(cfg, self.custom_env)
         self.action_kind = check_spaces(self.envs)
-        self.policy = build_policy(self.envs.single_observation_space, self.envs.single_action_space,
-                                   cfg.hidden_sizes, cfg.activation).to(self.device)
-        self.obs_dim = self.policy.obs_dim
-        try:  # validate() assumed one float per observation; now the real size is known
-            stored = layout_bytes(observation_encoder(self.envs.single_observation_space).layout())
-            check_memory(cfg, self.obs_dim, stored)  # images are stored as uint8 bytes, not floats
+        obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
+        try:  # validate() assumed one float per observation; now the real sizes are known, before anything big
+            encoder = observation_encoder(obs_space)
+            check_memory(cfg, encoder.flat_dim, layout_bytes(encoder.layout()),  # images are stored as bytes
+                         policy_parameters(obs_space, act_space, cfg.hidden_sizes, cfg.activation))
         except ConfigError:
             self.envs.close()
             raise
+        self.policy = build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation).to(self.device)
+        self.obs_dim = self.policy.obs_dim
         # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
         # An env with action masks trains by autograd: the fused kernel (and its acting kernel) has no masks.
         self.masked = self.policy.kind != "continuous" and action_masks_available(self.envs)
@@ -242,6 +243,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
     # ================================================================== the loop
     def run(self) -> Run:
         """Train until ``total_timesteps`` (or Ctrl-C, which finishes the update, saves and returns)."""
+        from .logger import SinkError
+
         cfg = self.config
         old_handler = _install_sigint(self)
         start_time = time.perf_counter()
@@ -311,6 +314,11 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 self._note_interrupt()
                 if saved_update != self.update_idx and self.dist.is_main:
                     self.save()
+        except SinkError as exc:
+            # TensorBoard could not write (a full disk): this update's learner state is whole, save it first.
+            error = self._sink_failed(exc)
+            self._abandon()
+            raise error from None
         except BaseException:
             # A crash or a second Ctrl-C: the last checkpoint stands (writes are atomic); free the run dir.
             self._abandon()
@@ -539,7 +547,7 @@ def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any
 
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINT_NAME
-    state = ckpt.load_checkpoint(path, require_finite=ckpt.LEARNER_KEYS)
+    state = ckpt.load_checkpoint(path, require_finite=ckpt.LEARNER_KEYS, require_bounded=ckpt.BOUNDED_KEYS)
     config = stored_config(state, path, allow_import, env=env)
     if total_timesteps is not None:
         config.total_timesteps = total_timesteps

@@ -71,6 +71,23 @@ class TrainerLifecycle:
             pass
         return error
 
+    def _sink_failed(self, exc: BaseException) -> BaseException:
+        """The error that ends the run when a metrics sink (TensorBoard) could not write, after saving the
+        learner state: the failure comes after an update, whose state is whole (as at step 5 of the loop)."""
+        path = self.run_dir / CHECKPOINT_NAME
+        if not self.dist.is_main:
+            note = "rank 0 keeps the checkpoint"
+        elif self.update_idx == 0:
+            note = "no update had finished, so there is no checkpoint"
+        else:
+            try:
+                self.save()
+                note = (f"saved the checkpoint of update {self.update_idx} to {path}; once the disk has room, "
+                        f"continue with ppokit train --resume {self.run_dir}")
+            except Exception as save_exc:  # noqa: BLE001 - the sink's error is the news
+                note = f"could not save the learner state ({type(save_exc).__name__}); the previous checkpoint stays"
+        return type(exc)(f"{exc}; {note}")
+
     def _finish(self, wall: float, start_step: int) -> None:
         last = self.metrics[-10:]
         returns = [m[S.EPISODIC_RETURN] for m in last if not math.isnan(m[S.EPISODIC_RETURN])]

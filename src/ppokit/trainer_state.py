@@ -53,17 +53,20 @@ class TrainerCheckpoint:
         path = self.run_dir / CHECKPOINT_NAME
         # NaN/Inf is refused in the learner only: env buffers may hold what the env emitted (those steps are
         # skipped in training), and refusing them would lose the run at its next save.
-        ckpt.save_checkpoint(path, self.state() if state is None else state, finite=ckpt.LEARNER_KEYS)
+        ckpt.save_checkpoint(path, self.state() if state is None else state, finite=ckpt.LEARNER_KEYS,
+                             bounded=ckpt.BOUNDED_KEYS)
         self.callbacks.on_checkpoint(path)
         return path
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        from .agent import describe_policy_spec
+        from .agent import check_stored_spaces, describe_policy_spec
         from .envs.state import restore_env_state
 
         path = self.run_dir / CHECKPOINT_NAME
         if "policy_spec" not in state:
             raise ckpt.CheckpointError(f"{path} cannot be resumed: it has no 'policy_spec' entry")
+        # The counters the schedule, the learning-rate annealing and the logs continue from.
+        ckpt.check_counters(state, self.config.batch_size, path)
         saved_spec, spec = state["policy_spec"], self.policy.spec()
         if isinstance(saved_spec, dict):  # a spec without "type" (before the registry) is an ActorCritic's
             saved_spec = {"type": spec_type(saved_spec), **saved_spec}
@@ -71,6 +74,8 @@ class TrainerCheckpoint:
             raise ckpt.CheckpointError(
                 f"{path} holds a policy for {describe_policy_spec(saved_spec)}, but {self.config.env_id} with this "
                 f"config needs one for {describe_policy_spec(spec)}; it cannot be resumed here")
+        check_stored_spaces(state.get("spaces"), self.envs.single_observation_space, self.envs.single_action_space,
+                            self.config.env_id, path)
         try:
             self.policy.load_state_dict(state["policy"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     def fail(message: str) -> int:
         # Messages hold paths, env ids and "pip install 'ppokit[video]'": escape them, or rich eats [brackets].
-        err.print(f"[bold red]error:[/] {escape(message)}")
+        err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)  # one line, however long
         return 2
 
     if args.episodes < 1:

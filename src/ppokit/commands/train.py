@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from ppokit import distributed, launcher
     from ppokit.checkpoint import CheckpointError
     from ppokit.envs.errors import EnvError
+    from ppokit.logger import SinkError
 
     # Under torchrun every rank runs this: rank 0 alone says what it trains (and writes the run dir); an error is
     # printed by the rank that met it, tagged with its rank (another rank's env failure is the news).
@@ -160,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, CheckpointError) as exc:
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    except EnvError as exc:
-        # The env raised, or returned what its spaces do not allow; the trainer saved what it could.
+    except (EnvError, SinkError) as exc:
+        # The env raised, or returned what its spaces do not allow, or TensorBoard could not write (a full disk);
+        # the trainer saved what it could.
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
     except ValueError as exc:
@@ -177,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
                   "continue with ppokit train --resume RUN_DIR", highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
-        # The second Ctrl-C (the first one finishes the update and saves): the last checkpoint is intact.
-        say.print("aborted by a second Ctrl-C; the run dir keeps its last checkpoint", highlight=False)
+        # A second Ctrl-C (the first one finishes the update and saves), or one before training started: any
+        # checkpoint already written is intact (writes are atomic).
+        say.print("interrupted by Ctrl-C; any checkpoint already in the run dir is intact", highlight=False)
         return 130
     finally:
         if launched:
