@@ -32,6 +32,7 @@ from .buffer import RolloutBuffer
 from .config import ConfigError
 from .encoders import MASK_KEY, obs_copy_, obs_index, obs_map, obs_to_tensor, observation_encoder
 from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
+from .envs.watchdog import NO_WATCHDOG, EnvTimeout
 from . import one_env
 from .hostnorm import HostNormalizers
 from .normalize import ObsNormalizer, RewardScaler
@@ -94,13 +95,16 @@ class Collector:
 
     # The one-env loop (one_env.py) where it applies; False forces the general loop (tests compare the two).
     one_env_path = True
+    # What bounds each reset()/step() (envs.watchdog; the trainer sets its own): nothing, by default.
+    watchdog: Any = NO_WATCHDOG
 
     # ------------------------------------------------------------------ loop state
     def reset(self, seed: int) -> None:
         """Reset every env (seeded) and check what it returned."""
         try:
-            obs, info = self.envs.reset(seed=seed)
-        except Exception as exc:  # noqa: BLE001 - whatever the env raised, say which env and where
+            with self.watchdog.guard("reset()"):
+                obs, info = self.envs.reset(seed=seed)
+        except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - whatever the env raised, say which env and where
             raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from exc
         self.next_obs_raw = check_obs_batch(obs, self.num_envs, self.envs.single_observation_space, self.env_id,
                                             "reset()", 0)
@@ -155,6 +159,7 @@ class Collector:
         encode, check_values = self.encoder.encode, self.encoder.check_values  # check_values: None for a Box
         rollout_start = step = global_step  # the step count the last update's state belongs to
         act = self.acting.act
+        watchdog = self.watchdog
         obs = self.normalize(obs_to_tensor(self.next_obs_raw, dev))
         hn = self.host_norm if self.host_norm is not None and self.host_norm.load() else None
         buf.has_final.zero_()
@@ -190,8 +195,11 @@ class Collector:
             t1 = time.perf_counter()
             t_inference += t1 - t0
             try:
+                watchdog.arm("step()")
                 next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
-            except Exception as exc:  # noqa: BLE001 - any env failure ends the run with one clear line
+                watchdog.disarm()
+            except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - any env failure ends the run in one line
+                watchdog.disarm()
                 raise self.fail(step, rollout_start, exc) from exc
             raw_obs = next_obs  # a Dict observation may carry the action mask (read below, after the checks)
             # The hot path only tests shape and dtype kind of arrays converted anyway; the checks that say what
@@ -430,18 +438,19 @@ def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.de
 def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int,
                             max_steps: int, env_id: str, global_step: int,
                             action_bounds: tuple[np.ndarray, np.ndarray] | None,
-                            fail: Callable[[str, BaseException], EnvError]) -> float:
+                            fail: Callable[[str, BaseException], EnvError], watchdog: Any = NO_WATCHDOG) -> float:
     """Mean return of the first episode of each env of ``envs``, acting deterministically on ``actor``'s output
     (logits or Gaussian mean: no critic, no log-prob). ``fail(phase, exc)`` builds the error an env failure
-    raises."""
+    raises; ``watchdog`` bounds each reset and step (``envs.watchdog``)."""
     n, space = envs.num_envs, envs.single_observation_space
     masked = policy.kind != "continuous" and action_masks_available(envs)
     mask_dim = sum(policy.action_dims)
     try:
-        obs, info = envs.reset(seed=seed)
+        with watchdog.guard("evaluation reset()"):
+            obs, info = envs.reset(seed=seed)
         mask = read_action_masks(envs, info, mask_dim, obs=obs) if masked else None
         obs = check_obs_batch(obs, n, space, env_id, "evaluation reset()", global_step)
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, EnvTimeout) as exc:  # noqa: BLE001
         raise fail("evaluation reset()", exc) from exc
     device = next(policy.parameters()).device
     total, running = np.zeros(n), np.ones(n, dtype=bool)
@@ -456,12 +465,13 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
         if action_bounds is not None:
             actions = np.clip(actions, *action_bounds)
         try:
-            obs, reward, terminated, truncated, info = envs.step(actions)
+            with watchdog.guard("evaluation step()"):
+                obs, reward, terminated, truncated, info = envs.step(actions)
             mask = read_action_masks(envs, info, mask_dim, obs=obs) if masked else None
             obs = check_obs_batch(obs, n, space, env_id, "evaluation step()", global_step)
             reward, terminated, truncated = check_step_batch(reward, terminated, truncated, n, env_id, global_step,
                                                              "evaluation step()")
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, EnvTimeout) as exc:  # noqa: BLE001
             raise fail("evaluation step()", exc) from exc
         # Only each env's first episode counts; whatever follows an autoreset is ignored.
         total += np.where(running, np.asarray(reward, dtype=np.float64), 0.0)

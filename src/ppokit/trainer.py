@@ -27,6 +27,7 @@ from .collector import Collector, action_masks_available, evaluate_first_episode
 from .config import ConfigError, PPOConfig
 from .encoders import obs_index, obs_map, observation_encoder
 from .envs.errors import EnvError
+from .envs.watchdog import EnvWatchdog
 from .epochs import Batch, UpdateSettings, ppo_epochs
 from .flat_adam import FlatAdam
 from .fused_step import FusedStep
@@ -167,6 +168,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                                                 perf=self.perf, fail=self._rollout_failed)
         self.buffer, self.same_step = self.collector.buffer, self.collector.same_step
         self._stop_requested = False
+        # Every reset()/step()/close() bounded by env_timeout, and by a grace period after Ctrl-C (envs.watchdog).
+        self.watchdog = self.collector.watchdog = EnvWatchdog(cfg.env_timeout, lambda: self._stop_requested)
         self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
         self._eval_envs = None
 
@@ -199,7 +202,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                             int(resume_state["global_step"]) if resume_state is not None else 0,
                             custom=self.custom_env is not None)
             env_seed = self.dist.env_seed(cfg.seed, cfg.num_envs)  # cfg.seed in one process
-            self.collector.reset(env_seed)
+            with self.watchdog.running():
+                self.collector.reset(env_seed)
             self.envs.action_space.seed(env_seed)
             if resume_state is not None:
                 self._load_state(self.dist.resume_state(resume_state))
@@ -219,7 +223,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                                         sinks=self._tracking_sinks())
         except BaseException:
             self._claim.release()
-            self.envs.close()
+            self._close_envs()  # an env hung in reset() is not waited on
             raise
         # A trainer dropped without run() (built only to inspect its state) must not leave its lock behind.
         import weakref
@@ -244,6 +248,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         """Train until ``total_timesteps`` (or Ctrl-C, which finishes the update, saves and returns)."""
         cfg = self.config
         old_handler = _install_sigint(self)
+        self.watchdog.start()  # stopped once the envs are closed (_finish, _abandon)
         start_time = time.perf_counter()
         start_step = self.global_step
         saved_update = self.update_idx  # the update the run dir's checkpoint holds (none yet counts as current)
@@ -372,7 +377,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         return evaluate_first_episodes(self._eval_envs, self.policy, actor, self.collector.normalize,
                                        seed=cfg.seed + 7919 * (self.update_idx + 1), max_steps=self._eval_max_steps,
                                        env_id=cfg.env_id, global_step=self.global_step,
-                                       action_bounds=self.collector.action_bounds, fail=failed)
+                                       action_bounds=self.collector.action_bounds, fail=failed,
+                                       watchdog=self.watchdog)
 
     # ================================================================== 2. advantages
     def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:

@@ -181,9 +181,10 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except EnvError as exc:
-        # The env raised, or returned what its spaces do not allow; the trainer saved what it could.
+        # The env raised, returned what its spaces do not allow, or hung (on Ctrl-C: 130); the trainer saved
+        # what it could.
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 1
+        return 130 if exc.interrupted else 1
     except ValueError as exc:
         # Environment problems (unknown id, unsupported spaces) surface as ValueError before training starts.
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)

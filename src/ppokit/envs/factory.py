@@ -14,6 +14,8 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
+from .watchdog import async_kwargs
+
 VECTOR_MODES = ("sync", "async", "native", "envpool")
 # The env_id recorded for a custom env without a registered spec: "custom:MyEnv" (MyEnv: its unwrapped class).
 CUSTOM_PREFIX = "custom"
@@ -319,7 +321,7 @@ def make_vec_env(
                 raise ValueError(f"an env factory runs with vector_mode 'sync' or 'async' and no env_kwargs, got "
                                  f"vector_mode={vector_mode!r}, env_kwargs={kwargs}")
             vector_class = gym.vector.SyncVectorEnv if vector_mode == "sync" else gym.vector.AsyncVectorEnv
-            env = vector_class([env_fn] * int(num_envs), autoreset_mode=same_step)
+            env = vector_class([env_fn] * int(num_envs), autoreset_mode=same_step, **async_kwargs(vector_mode))
             if len({id(sub) for sub in getattr(env, "envs", [])}) not in (0, int(num_envs)):
                 # `env=lambda: my_env` hands out one object N times: N "envs" stepping one state, silently.
                 env.close()
@@ -335,8 +337,9 @@ def make_vec_env(
             check_env_id(env_id)
             # make_vec hands sub-processes an EnvSpec whose entry point is an import string,
             # so workers import ppokit.envs.gridworld themselves and need no registry state.
+            # Async workers die with the trainer, even when it is killed (envs.watchdog.orphan_proof_worker).
             env = gym.make_vec(env_id, num_envs=int(num_envs), vectorization_mode=vector_mode,
-                               vector_kwargs={"autoreset_mode": same_step}, **kwargs)
+                               vector_kwargs={"autoreset_mode": same_step, **async_kwargs(vector_mode)}, **kwargs)
         else:
             check_env_id(env_id)
             spec = _get_spec(env_id)
