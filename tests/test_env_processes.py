@@ -97,13 +97,17 @@ def wait_for(predicate, seconds: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def hung_workers(tmp_path: Path, proc: subprocess.Popen) -> list[int]:
-    """The run's worker pids, once one of them hangs (both step in lockstep: both hang at their 40th step)."""
-    wait_for(lambda: list(tmp_path.glob("hung-*")) or proc.poll() is not None, 120, "a worker hangs")
+def hung_workers(tmp_path: Path, proc: subprocess.Popen, vector_mode: str = "async") -> list[int]:
+    """The run's worker pids once an env hangs (async: both step in lockstep, so both hang at their 40th step;
+    sync: none, the env hangs in the trainer itself)."""
+    wait_for(lambda: list(tmp_path.glob("hung-*")) or proc.poll() is not None, 120, "an env hangs")
     assert proc.poll() is None, proc.communicate()
     workers = children(proc.pid)
     hung = {int(p.name.split("-")[1]) for p in tmp_path.glob("hung-*")}
-    assert len(workers) == 2 and hung <= set(workers), (workers, hung)
+    if vector_mode == "sync":
+        assert workers == [] and hung == {proc.pid}, (workers, hung)
+    else:
+        assert len(workers) == 2 and hung <= set(workers), (workers, hung)
     return workers
 
 
@@ -130,11 +134,12 @@ def stop(proc: subprocess.Popen, workers: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_ctrl_c_ends_a_run_whose_async_worker_hangs(tmp_path):
-    proc = start_run(tmp_path, "--env-timeout", "none", "--save-every", "1000")
+@pytest.mark.parametrize("vector_mode, where", [("async", "env indices 0, 1"), ("sync", "env index 0")])
+def test_ctrl_c_ends_a_run_whose_env_hangs(tmp_path, vector_mode, where):
+    proc = start_run(tmp_path, "--env-timeout", "none", "--save-every", "1000", "--vector-mode", vector_mode)
     workers: list[int] = []
     try:
-        workers = hung_workers(tmp_path, proc)
+        workers = hung_workers(tmp_path, proc, vector_mode)
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
@@ -143,7 +148,7 @@ def test_ctrl_c_ends_a_run_whose_async_worker_hangs(tmp_path):
         assert "Traceback" not in out + err, err
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         # Step 40 of each env is the 8th of update 3 (16 steps an update): 2 x 16 x 2 + 7 x 2 steps before it.
-        assert len(lines) == 1 and "env 'proc_test/Hangs-v0' (env indices 0, 1) failed in step() at global step " \
+        assert len(lines) == 1 and f"env 'proc_test/Hangs-v0' ({where}) failed in step() at global step " \
             "78: did not return within 5 s of Ctrl-C; saved the learner state of update 2" in lines[0], err
         assert elapsed < 45, elapsed  # the grace period (5 s), not the hang (300 s)
         wait_for(lambda: not any(alive(pid) for pid in workers), 30, f"workers {workers} exit")

@@ -340,6 +340,17 @@ def test_env_whose_close_raises_costs_a_warning_not_the_run(tmp_path, capsys):
     assert (tmp_path / "run" / "checkpoint.pt").exists() and (tmp_path / "run" / "curves.png").exists()
 
 
+def test_eval_of_an_env_whose_close_raises_is_one_line_naming_the_env(tmp_path, capsys):
+    assert train("RaisingClose", tmp_path / "run", capsys)[0] == 0
+    code = main(["eval", str(tmp_path / "run"), "--episodes", "2"])
+    output = capsys.readouterr()
+    assert code == 0, output
+    assert "Traceback" not in output.out + output.err
+    assert output.err.splitlines() == [f"warning: env '{PREFIX}-RaisingClose-v0' failed in close() at global step "
+                                       "40: raised RuntimeError: close exploded"], output.err
+    assert "mean return 20.00" in output.out
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_async_worker_whose_close_raises_is_one_line_naming_the_env(tmp_path, capfd):
     # The workers close their envs in their own processes: each says so in one line, no worker traceback.

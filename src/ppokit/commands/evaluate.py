@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ppokit.agent import evaluate, load
     from ppokit.checkpoint import CheckpointError
+    from ppokit.envs.errors import EnvError
 
     console = Console()
     err = Console(stderr=True)
@@ -75,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed, video_dir=args.video, env_kwargs=env_kwargs)
     except CheckpointError as exc:
         return fail(str(exc))
+    except EnvError as exc:  # the env raised or returned what its spaces do not allow: exit 1, as in train
+        fail(str(exc))
+        return 1
     except gym.error.DependencyNotInstalled as exc:
         return fail(_missing_dependency(exc))
     except (ValueError, gym.error.Error) as exc:
