@@ -9,7 +9,8 @@ the update, the logger or checkpoints. What it handles:
   ``info["final_obs"]``, since the observation returned is already the next episode's;
 * NaN/Inf from the env: counted, zeroed, kept out of the statistics and never trained on;
 * the env output checks of ``envs.errors``, run in full only when a cheap shape/dtype test fails;
-* action masks, when the env provides them (``action_masks_available``): read after every reset and step from
+* action masks, when the env provides them (``action_masks_available``, which also looks at the first reset's
+  info): read after every reset and step from
   ``info["action_mask"]`` (Gymnasium's Taxi convention; a vector env batches it, ``info["_action_mask"]`` flags
   the envs that sent one) or else from each sub-env's ``action_masks()`` method (SB3-contrib's convention), acted
   on and stored in the buffer; an env without masks stores and computes nothing more;
@@ -23,6 +24,7 @@ state first) builds the ``EnvError`` that is raised.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -356,16 +358,36 @@ def make_eval_envs(cfg: Any, custom_env: Any = None) -> tuple[Any, int]:
     return envs, (spec.max_episode_steps if spec is not None else None) or 100_000
 
 
-def action_masks_available(envs: Any) -> bool:
+def action_masks_available(envs: Any, probe_seed: int | None = None, env_id: str = "?",
+                           watchdog: Any = NO_WATCHDOG) -> bool:
     """Whether ``envs`` provides action masks: a sub-env (or the vector env itself) with an ``action_masks()``
-    method (SB3-contrib's convention) or with an ``action_mask`` attribute (Gymnasium's Taxi, which also sends the
-    mask as ``info["action_mask"]``). Decided before the first reset, so the trainer can choose its update path;
-    an env that only puts masks in ``info`` without either attribute is not detected, and neither is an async
-    vector env's (its sub-envs live in other processes). A Dict observation with an ``"action_mask"`` key
-    (PettingZoo's convention) always is."""
+    method (SB3-contrib's convention) or with an ``action_mask`` attribute (Gymnasium's Taxi), a Dict observation
+    with an ``"action_mask"`` key (PettingZoo's convention), or ``info["action_mask"]`` from the first reset.
+
+    Decided before the collector's first reset, so the trainer can choose its update path: the attributes are
+    looked up, and when none is found and ``probe_seed`` is given, the envs are reset once with that seed (the
+    collector's first reset, which repeats it with the same seed, then starts from the same observations) to see
+    whether the info carries a mask: the only way to learn it from an env that sends masks in ``info`` alone, or
+    from an async vector env (its sub-envs live in other processes). The answer is kept per vector env, so the
+    collector built on the same envs agrees. A probe that fails is the run's ``reset()`` failure."""
     if MASK_KEY in getattr(getattr(envs, "single_observation_space", None), "spaces", ()):  # a gymnasium Dict
         return True
-    return hasattr(envs, "action_masks") or _sub_env_has(envs, "action_masks") or _sub_env_has(envs, "action_mask")
+    if hasattr(envs, "action_masks") or _sub_env_has(envs, "action_masks") or _sub_env_has(envs, "action_mask"):
+        return True
+    known = _INFO_MASKS.get(envs)
+    if known is not None or probe_seed is None:
+        return bool(known)
+    try:
+        with watchdog.guard("reset()"):
+            _, info = envs.reset(seed=probe_seed)
+    except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - the first reset's failure, said as such
+        raise env_failure(env_id, "reset()", 0, exc, envs) from exc
+    _INFO_MASKS[envs] = found = isinstance(info, dict) and "action_mask" in info
+    return found
+
+
+# Vector env -> whether its first reset's info held "action_mask" (action_masks_available's probe).
+_INFO_MASKS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 def _sub_env_has(envs: Any, name: str) -> bool:
@@ -448,6 +470,8 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
     try:
         with watchdog.guard("evaluation reset()"):
             obs, info = envs.reset(seed=seed)
+        # Separate envs from the training ones: a mask sent only in info is seen here, at their first reset.
+        masked = masked or (policy.kind != "continuous" and isinstance(info, dict) and "action_mask" in info)
         mask = read_action_masks(envs, info, mask_dim, obs=obs) if masked else None
         obs = check_obs_batch(obs, n, space, env_id, "evaluation reset()", global_step)
     except (Exception, EnvTimeout) as exc:  # noqa: BLE001

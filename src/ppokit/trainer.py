@@ -27,7 +27,7 @@ from .collector import Collector, action_masks_available, evaluate_first_episode
 from .config import ConfigError, PPOConfig
 from .encoders import obs_index, obs_map, observation_encoder
 from .envs.errors import EnvError
-from .envs.watchdog import EnvWatchdog
+from .envs.watchdog import EnvWatchdog, close_vector_env
 from .epochs import Batch, UpdateSettings, ppo_epochs
 from .flat_adam import FlatAdam
 from .fused_step import FusedStep
@@ -136,7 +136,15 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
             raise
         # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
         # An env with action masks trains by autograd: the fused kernel (and its acting kernel) has no masks.
-        self.masked = self.policy.kind != "continuous" and action_masks_available(self.envs)
+        # Every reset()/step()/close() bounded by env_timeout, and by a grace period after Ctrl-C (envs.watchdog).
+        self.watchdog = EnvWatchdog(cfg.env_timeout, lambda: getattr(self, "_stop_requested", False))
+        try:  # masks sent only in info: seen at a first reset with the run's env seed (action_masks_available)
+            with self.watchdog.running():
+                self.masked = self.policy.kind != "continuous" and action_masks_available(
+                    self.envs, self.dist.env_seed(cfg.seed, cfg.num_envs), cfg.env_id, self.watchdog)
+        except BaseException:
+            close_vector_env(self.envs, self.watchdog)
+            raise
         self.fused = cfg.fused_update and fused_supports(self.policy, cfg.algo) and not self.masked
         if self.fused:
             self.optimizer = FlatAdam(self.policy, lr=cfg.learning_rate, eps=1e-5)
@@ -168,8 +176,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                                                 perf=self.perf, fail=self._rollout_failed)
         self.buffer, self.same_step = self.collector.buffer, self.collector.same_step
         self._stop_requested = False
-        # Every reset()/step()/close() bounded by env_timeout, and by a grace period after Ctrl-C (envs.watchdog).
-        self.watchdog = self.collector.watchdog = EnvWatchdog(cfg.env_timeout, lambda: self._stop_requested)
+        self.collector.watchdog = self.watchdog
         self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
         self._eval_envs = None
 
