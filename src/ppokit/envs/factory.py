@@ -95,11 +95,48 @@ def check_env_id(env_id: str) -> None:
         raise ValueError(f"Unknown environment id {name!r}: module {module!r} was imported but registered no env "
                          f"of that name. {_suggest(name)}")
     if env_id in gym.registry:
+        quiet_mujoco(env_id)
         return
     raise ValueError(
         f"Unknown environment id {env_id!r}. {_suggest(env_id)} "
         "(Environments from other packages need that package imported, or an id of the form 'module:EnvName-v0'.)"
     )
+
+
+# MuJoCo >= 3.4 warns on every compile of a model that sets compiler/settotalmass (HalfCheetah's XML in Gymnasium's
+# assets), once per env built: a deprecation of the asset, nothing the user can act on. Only that message is
+# dropped; every other MuJoCo warning is printed as MuJoCo's own handler prints it.
+_MUJOCO_QUIET = ("compiler attribute 'settotalmass' is deprecated",)
+
+
+def quiet_mujoco(env_id: str) -> None:
+    """For a Gymnasium MuJoCo env id: install (once per process, before any model compiles; forked async workers
+    inherit it) a MuJoCo warning handler that drops the messages of ``_MUJOCO_QUIET``."""
+    global _mujoco_quieted
+    if _mujoco_quieted:
+        return
+    entry = getattr(gym.registry.get(env_id), "entry_point", None)
+    if not (isinstance(entry, str) and entry.startswith("gymnasium.envs.mujoco")):
+        return
+    try:
+        import mujoco
+    except ImportError:
+        return  # building the env says what is missing
+    previous = mujoco.get_mju_user_warning()
+
+    def warning(message: str) -> None:
+        if any(text in message for text in _MUJOCO_QUIET):
+            return
+        if previous is not None:
+            previous(message)
+        else:
+            print(f"WARNING: {message}", file=sys.stderr)
+
+    mujoco.set_mju_user_warning(warning)
+    _mujoco_quieted = True
+
+
+_mujoco_quieted = False
 
 
 def _suggest(env_id: str) -> str:
