@@ -40,7 +40,7 @@ from .hostnorm import HostNormalizers
 from .normalize import ObsNormalizer, RewardScaler
 from .policies import mask_logits
 
-__all__ = ["Collector", "Episodes", "action_masks_available", "allocate_buffer", "read_action_masks", "evaluate_first_episodes", "make_eval_envs",
+__all__ = ["Collector", "Episodes", "action_masks_available", "allocate_buffer", "forget_probe_reset", "read_action_masks", "evaluate_first_episodes", "make_eval_envs",
            "make_train_envs"]
 
 Episodes = list[tuple[float, int]]  # (raw return, length) of each episode finished in the rollout
@@ -103,11 +103,15 @@ class Collector:
     # ------------------------------------------------------------------ loop state
     def reset(self, seed: int) -> None:
         """Reset every env (seeded) and check what it returned."""
-        try:
-            with self.watchdog.guard("reset()"):
-                obs, info = self.envs.reset(seed=seed)
-        except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - whatever the env raised, say which env and where
-            raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from exc
+        probed = _PROBE_RESETS.pop(self.envs, None)
+        if probed is not None and probed[0] == seed:
+            obs, info = probed[1]  # action_masks_available's probe was this reset: the env is not reset twice
+        else:
+            try:
+                with self.watchdog.guard("reset()"):
+                    obs, info = self.envs.reset(seed=seed)
+            except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - whatever the env raised, say which and where
+                raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from exc
         self.next_obs_raw = check_obs_batch(obs, self.num_envs, self.envs.single_observation_space, self.env_id,
                                             "reset()", 0)
         if self.masked:
@@ -369,7 +373,9 @@ def action_masks_available(envs: Any, probe_seed: int | None = None, env_id: str
     collector's first reset, which repeats it with the same seed, then starts from the same observations) to see
     whether the info carries a mask: the only way to learn it from an env that sends masks in ``info`` alone, or
     from an async vector env (its sub-envs live in other processes). The answer is kept per vector env, so the
-    collector built on the same envs agrees. A probe that fails is the run's ``reset()`` failure."""
+    collector built on the same envs agrees, and so is the reset's result, which ``Collector.reset`` with the
+    same seed takes as its own (the envs are reset once; ``forget_probe_reset`` when they change in between). A
+    probe that fails is the run's ``reset()`` failure."""
     if MASK_KEY in getattr(getattr(envs, "single_observation_space", None), "spaces", ()):  # a gymnasium Dict
         return True
     if hasattr(envs, "action_masks") or _sub_env_has(envs, "action_masks") or _sub_env_has(envs, "action_mask"):
@@ -379,15 +385,23 @@ def action_masks_available(envs: Any, probe_seed: int | None = None, env_id: str
         return bool(known)
     try:
         with watchdog.guard("reset()"):
-            _, info = envs.reset(seed=probe_seed)
+            obs, info = envs.reset(seed=probe_seed)
     except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - the first reset's failure, said as such
         raise env_failure(env_id, "reset()", 0, exc, envs) from exc
     _INFO_MASKS[envs] = found = isinstance(info, dict) and "action_mask" in info
+    _PROBE_RESETS[envs] = (probe_seed, (obs, info))
     return found
+
+
+def forget_probe_reset(envs: Any) -> None:
+    """The envs changed after ``action_masks_available``'s probe (a sub-env replaced): the collector resets them."""
+    _PROBE_RESETS.pop(envs, None)
 
 
 # Vector env -> whether its first reset's info held "action_mask" (action_masks_available's probe).
 _INFO_MASKS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+# Vector env -> (seed, (obs, info)) of that probe reset, until the collector takes it as its first reset.
+_PROBE_RESETS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _sub_env_has(envs: Any, name: str) -> bool:

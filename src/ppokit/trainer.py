@@ -23,7 +23,8 @@ from . import schema as S
 from .acting import ActingKernel
 from .advantages import gae
 from .algos import Algo, adapt_kl_beta, get_algo  # noqa: F401  (adapt_kl_beta: ppo-kl's rule, importable from here)
-from .collector import Collector, action_masks_available, evaluate_first_episodes, make_eval_envs, make_train_envs
+from .collector import (Collector, action_masks_available, evaluate_first_episodes, forget_probe_reset,
+                        make_eval_envs, make_train_envs)
 from .config import ConfigError, PPOConfig
 from .encoders import obs_index, obs_map, observation_encoder
 from .envs.errors import EnvError
@@ -205,6 +206,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 from .video import VIDEO_DIR, record_env0
 
                 # Env 0 records into RUN_DIR/videos (before the first reset, so episode 0 is the first one).
+                forget_probe_reset(self.envs)  # env 0 is rebuilt: the collector resets the envs itself
                 record_env0(self.envs, cfg.env_id, cfg.env_kwargs, self.run_dir / VIDEO_DIR, cfg.video_every,
                             int(resume_state["global_step"]) if resume_state is not None else 0,
                             custom=self.custom_env is not None)
