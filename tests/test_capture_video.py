@@ -49,3 +49,24 @@ def test_capture_video_needs_sync_envs(tmp_path):
         _config(tmp_path, "v", capture_video=True, vector_mode="async").validate()
     with pytest.raises(ConfigError, match="video_every"):
         _config(tmp_path, "v", capture_video=True, video_every=0).validate()
+
+
+def test_eval_video_prints_no_sdl_runtime_dir_line(tmp_path):
+    # pygame's SDL says "XDG_RUNTIME_DIR is invalid or not set" on a headless shell unless its dummy driver is used.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "SDL_VIDEODRIVER", "DISPLAY")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ppokit", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    done = cli("train", "--env", "CartPole-v1", "--preset", "cartpole", "--total-timesteps", "512", "--quiet",
+               "--no-tensorboard", "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    done = cli("eval", str(tmp_path / "run"), "--episodes", "1", "--video", str(tmp_path / "videos"))
+    assert done.returncode == 0, done.stderr
+    assert "XDG_RUNTIME_DIR" not in done.stderr and done.stderr.strip() == "", done.stderr
+    assert list((tmp_path / "videos").glob("*.mp4"))

@@ -54,6 +54,7 @@ CLI_CASES = [
     *[("device", "--device", v) for v in ["cudax", "gpu", "", "cuda:99", "CPU"]],
     *[("torch_threads", "--torch-threads", v) for v in ["0", "1e999", "-2"]],
     *[("dist_timeout", "--dist-timeout", v) for v in ["0", "-5", "nan", "1e999"]],
+    *[("env_timeout", "--env-timeout", v) for v in ["-5", "nan", "1e999", "1e7", "soon"]],
     *[("run_dir", "--run-dir", v) for v in ["/dev/null", "{tmp}/a_file", "{tmp}/a_file/below", LONG_NAME,
                                              "{tmp}/" + LONG_NAME + "/x"]],
     *[("log_every", "--log-every", v) for v in ["0", "1e999"]],

@@ -8,6 +8,7 @@ The envs are registered here with class entry points, so they exist only in this
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -43,11 +44,15 @@ class Hostile(gym.Env):
         self.calls = 0  # step() calls over the env's life
         self.resets = 0
         self.evaluating = False
+        self.first_seed = None  # a sync or async vector env seeds sub-env i with seed + i
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
         self.t = 0
         self.resets += 1
+        self.first_seed = seed if self.first_seed is None else self.first_seed
+        if self.mode == "hang_reset":
+            hang()
         if self.mode == "raise_reset" or (self.mode == "raise_second_reset" and self.resets == 2):
             raise RuntimeError("reset exploded")
         if self.mode == "obs_only_reset":
@@ -73,6 +78,9 @@ class Hostile(gym.Env):
         self.calls += 1
         if self.mode == "raise_step" and self.index == 1 and self.calls == 150:
             raise RuntimeError("step exploded")
+        # Sub-env 1 of a run with --seed 100, sync or async (where every worker's env is built with index 1).
+        if self.mode in ("hang_step", "hang_step_swallowing") and self.first_seed == 101 and self.calls == 150:
+            hang(swallow=self.mode == "hang_step_swallowing")
         reward = 1.0
         if self.mode == "none_reward":
             reward = None
@@ -89,6 +97,18 @@ class Hostile(gym.Env):
         return self._obs(), reward, False, self.t >= 20, {}
 
 
+def hang(swallow: bool = False) -> None:
+    """Never return, as far as a test can see (60 s, so a watchdog that fails fails the test, not the suite);
+    ``swallow``: catch every exception on the way (an env with a broad ``except Exception``)."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - this env's point
+            if not swallow:
+                raise
+
+
 class RaisingConstructor(Hostile):
     def __init__(self):
         raise RuntimeError("constructor exploded")
@@ -99,13 +119,26 @@ class RaisingClose(Hostile):
         raise RuntimeError("close exploded")
 
 
-for _cls in (RaisingConstructor, RaisingClose):
+class HangingClose(Hostile):
+    def close(self):
+        if self.calls:  # not the spaces probe's env (an async vector env builds and closes one first)
+            hang()
+
+
+class RaisingCloseAfterStep(Hostile):
+    def close(self):
+        if self.calls:  # not the spaces probe's env
+            raise RuntimeError("close exploded")
+
+
+for _cls in (RaisingConstructor, RaisingClose, HangingClose, RaisingCloseAfterStep):
     if f"{PREFIX}-{_cls.__name__}-v0" not in gym.registry:
         gym.register(id=f"{PREFIX}-{_cls.__name__}-v0", entry_point=_cls, disable_env_checker=True)
 
 MODES = ("raise_step", "raise_reset", "raise_second_reset", "raise_eval_reset", "obs_only_reset", "four_tuple_step",
          "str_obs", "object_obs", "shape_obs", "shape_obs_later", "none_reward", "array_reward", "str_reward",
-         "nan_reward_sometimes", "nan_reward_always", "eval_shape_obs")
+         "nan_reward_sometimes", "nan_reward_always", "eval_shape_obs", "hang_step", "hang_step_swallowing",
+         "hang_reset")
 for _mode in MODES:
     _cls = type(f"Hostile_{_mode}", (Hostile,), {"mode": _mode})
     globals()[_cls.__name__] = _cls
@@ -301,5 +334,91 @@ def test_env_whose_close_raises_costs_a_warning_not_the_run(tmp_path, capsys):
     code, output = train("RaisingClose", tmp_path / "run", capsys)
     assert code == 0, output
     assert "Traceback" not in output
-    assert "raised in close(): RuntimeError: close exploded" in output
+    lines = [line for line in output.splitlines() if "close exploded" in line]
+    assert lines == [f"warning: env '{PREFIX}-RaisingClose-v0' failed in close() at global step 640: raised "
+                     "RuntimeError: close exploded"], output
     assert (tmp_path / "run" / "checkpoint.pt").exists() and (tmp_path / "run" / "curves.png").exists()
+
+
+def test_eval_of_an_env_whose_close_raises_is_one_line_naming_the_env(tmp_path, capsys):
+    assert train("RaisingClose", tmp_path / "run", capsys)[0] == 0
+    code = main(["eval", str(tmp_path / "run"), "--episodes", "2"])
+    output = capsys.readouterr()
+    assert code == 0, output
+    assert "Traceback" not in output.out + output.err
+    assert output.err.splitlines() == [f"warning: env '{PREFIX}-RaisingClose-v0' failed in close() at global step "
+                                       "40: raised RuntimeError: close exploded"], output.err
+    assert "mean return 20.00" in output.out
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_async_worker_whose_close_raises_is_one_line_naming_the_env(tmp_path, capfd):
+    # The workers close their envs in their own processes: each says so in one line, no worker traceback.
+    Hostile.created = 0
+    code = main(["train", "--preset", "cartpole", "--env", f"{PREFIX}-RaisingCloseAfterStep-v0", "--total-timesteps",
+                 "128", "--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--update-epochs", "1",
+                 "--quiet", "--run-dir", str(tmp_path / "run"), "--vector-mode", "async"])
+    output = capfd.readouterr()
+    output = output.out + output.err
+    assert code == 0, output
+    assert "Traceback" not in output, output
+    lines = sorted(line for line in output.splitlines() if "close exploded" in line)
+    assert lines == [f"warning: env '{PREFIX}-RaisingCloseAfterStep-v0' (env index {i}) failed in close(): raised "
+                     "RuntimeError: close exploded" for i in (0, 1)], output
+
+
+def test_env_whose_close_hangs_is_one_line_and_does_not_block(tmp_path, capsys):
+    start = time.monotonic()
+    code, output = train("HangingClose", tmp_path / "run", capsys, "--env-timeout", "1")
+    assert code == 0, output
+    assert time.monotonic() - start < 40  # the hang lasts 60 s
+    lines = [line for line in output.splitlines() if "close()" in line]
+    assert lines == [f"warning: env '{PREFIX}-HangingClose-v0' failed in close() at global step 640: did not "
+                     "return within 1 s (env_timeout, --env-timeout)"], output
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+# ----------------------------------------------------------------------------------- envs that do not return
+# hang_step_swallowing: an env whose own ``except Exception`` would swallow the interruption. (Async: the trainer
+# waits on a pipe, never inside the env's code, so one mode covers it.)
+@pytest.mark.parametrize("mode, vector_mode", [("hang_step", "sync"), ("hang_step_swallowing", "sync"),
+                                               ("hang_step", "async")])
+def test_env_hanging_in_step_ends_the_run_after_the_timeout_and_saves(tmp_path, capsys, mode, vector_mode):
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    code, output = train(mode, run_dir, capsys, "--env-timeout", "1", "--vector-mode", vector_mode, "--seed", "100")
+    elapsed = time.monotonic() - start
+    line = error_line(output)
+    assert code == 1, output
+    assert elapsed < 40, elapsed  # the env hangs for 60 s
+    # Sub-env 1 hangs on its 150th step (update 5), as raise_step raises there: the same line, another reason.
+    assert f"env '{PREFIX}-{mode}-v0' (env index 1) failed in step() at global step 298: did not return within " \
+           "1 s (env_timeout, --env-timeout)" in line, line
+    assert f"saved the learner state of update 4 to {run_dir / 'checkpoint.pt'}" in line, line
+    state = load_checkpoint(run_dir / "checkpoint.pt")
+    assert state["update"] == 4 and state["global_step"] == 4 * 64 and state["env_state"] is None
+    assert read_metrics(run_dir / "metrics.csv")["update"] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_env_hanging_in_reset_names_reset(tmp_path, capsys):
+    code, output = train("hang_reset", tmp_path / "run", capsys, "--env-timeout", "0.5")
+    line = error_line(output)
+    assert code == 1
+    assert f"env '{PREFIX}-hang_reset-v0' (env index 0) failed in reset() at global step 0: did not return " \
+           "within 0.5 s (env_timeout, --env-timeout)" in line, line
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_env_timeout_is_validated(tmp_path, capsys, value):
+    code, output = train("raise_step", tmp_path / "run", capsys, "--env-timeout", value)
+    line = error_line(output)
+    assert code == 2 and "env_timeout" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value, expected", [("none", None), ("0", 0.0), ("30", 30.0)])
+def test_env_timeout_none_or_zero_disables_it(value, expected):
+    from ppokit.config import PPOConfig
+
+    assert PPOConfig.from_dict({"env_timeout": value}).validate().env_timeout == expected
+    assert PPOConfig().env_timeout == 120.0

@@ -284,3 +284,49 @@ def test_the_evaluation_gate_acts_within_the_mask(tmp_path):
     assert np.isfinite(trainer.evaluate_gate())
     assert sum(env.unwrapped.wall_bumps for env in trainer._eval_envs.envs) == 0
     trainer._abandon()
+
+
+# ------------------------------------------------------------------------- a mask only in info (no attribute)
+class InfoOnlyMask(gym.Env):
+    """3 actions; action 2 pays most but is always masked, and the mask is sent only as ``info["action_mask"]``
+    (no ``action_mask`` attribute, no ``action_masks()`` method). ``taken`` counts the masked action per env
+    instance (class-level, so the test reads it after the run)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(3)
+    metadata: dict = {"render_modes": []}
+    MASK = np.array([1, 1, 0], dtype=np.int8)
+    taken = 0
+    steps = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {"action_mask": self.MASK.copy()}
+
+    def step(self, action):
+        self.t += 1
+        InfoOnlyMask.steps += 1
+        InfoOnlyMask.taken += int(action) == 2
+        reward = 2.0 if int(action) == 2 else float(action)
+        return np.zeros(2, np.float32), reward, False, self.t >= 10, {"action_mask": self.MASK.copy()}
+
+
+@pytest.mark.parametrize("vector_mode, eval_every", [("sync", 0), ("sync", 1), ("async", 0)])
+def test_a_mask_sent_only_in_info_is_applied_from_the_first_reset(tmp_path, vector_mode, eval_every):
+    InfoOnlyMask.taken = InfoOnlyMask.steps = 0
+    assert not hasattr(InfoOnlyMask(), "action_mask") and not hasattr(InfoOnlyMask(), "action_masks")
+    cfg = PPOConfig(num_envs=2, num_steps=32, total_timesteps=640, num_minibatches=2, update_epochs=2,
+                    vector_mode=vector_mode, run_dir=str(tmp_path / "run"), tensorboard=False,
+                    eval_every=eval_every, eval_threshold=1e9 if eval_every else None, eval_episodes=2)
+    trainer = Trainer(cfg, console_enabled=False, env=InfoOnlyMask)
+    trainer.run()
+    assert trainer.masked and trainer.collector.masked and not trainer.fused
+    # The last rollout as stored: every step masked, action 2 never taken.
+    assert trainer.buffer.masks.shape == (32, 2, 3) and not trainer.buffer.masks[..., 2].any()
+    assert not (trainer.buffer.actions == 2).any()
+    if vector_mode == "sync":  # the envs run here, so their counts are readable
+        # 10 updates of 2 x 32 steps, plus the evaluation gate's episodes: the masked action, the best-paying
+        # one (which an unmasked policy learns to take), never once.
+        assert InfoOnlyMask.steps >= 640
+        assert InfoOnlyMask.taken == 0, (InfoOnlyMask.taken, InfoOnlyMask.steps)

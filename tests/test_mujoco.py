@@ -113,3 +113,50 @@ def test_short_inverted_pendulum_run_improves_its_return(tmp_path):
     assert returns[-1] > 2 * returns[0], returns
     result = ppokit.evaluate(ppokit.load(tmp_path / "run"), episodes=3)
     assert result["mean"] > 2 * returns[0], (result, returns)
+
+
+# ----------------------------------------------------------------- the CLI on a headless machine, as a user runs it
+def _cli(args: list[str], cwd) -> "subprocess.CompletedProcess[str]":
+    """``python -m ppokit ARGS`` with no display and none of the rendering variables set (a fresh headless shell)."""
+    import os
+    import subprocess
+    import sys
+
+    drop = ("MUJOCO_GL", "PYOPENGL_PLATFORM", "DISPLAY", "WAYLAND_DISPLAY", "XDG_RUNTIME_DIR", "SDL_VIDEODRIVER")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return subprocess.run([sys.executable, "-m", "ppokit", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _gl_backend_here() -> str | None:
+    from ppokit.video import HEADLESS_GL, _gl_works
+
+    return next((b for b in HEADLESS_GL if _gl_works(b)), None)
+
+
+def test_halfcheetah_commands_print_no_settotalmass_deprecation(tmp_path):
+    # HalfCheetah's XML sets compiler/settotalmass; MuJoCo >= 3.4 warns on every compile of it.
+    done = _cli(["train", "--env", "HalfCheetah-v5", "--preset", "mujoco", "--total-timesteps", "256", "--num-steps",
+                 "128", "--quiet", "--no-tensorboard", "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "settotalmass" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    done = _cli(["eval", str(tmp_path / "run"), "--episodes", "1"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "settotalmass" not in done.stderr, done.stderr
+
+
+def test_eval_video_renders_headless_without_mujoco_gl(tmp_path):
+    backend = _gl_backend_here()
+    done = _cli(["train", "--env", ENV, "--preset", "mujoco", "--total-timesteps", "256", "--num-steps", "128",
+                 "--quiet", "--no-tensorboard", "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = _cli(["eval", str(tmp_path / "run"), "--episodes", "1", "--video", str(tmp_path / "videos")], tmp_path)
+    assert "Traceback" not in done.stderr and "FatalError" not in done.stderr, done.stderr
+    assert "XDG_RUNTIME_DIR" not in done.stderr, done.stderr
+    if backend is None:  # no headless OpenGL on this machine: one line naming the variable to set
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and "MUJOCO_GL=egl" in lines[0], done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    videos = list((tmp_path / "videos").glob("*.mp4"))
+    assert len(videos) == 1 and videos[0].stat().st_size > 1000, videos

@@ -405,21 +405,38 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
         import gymnasium as gym
 
         env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda i: True, disable_logger=True)
+    from .envs.errors import env_failure
+
     returns, lengths = [], []
+    steps = 0
+
+    def env_call(phase: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # An env that raises is one EnvError line naming it (``ppokit eval`` prints it), not its traceback.
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            raise env_failure(str(env_id), phase, steps, exc) from exc
+
     try:
         for ep in range(episodes):
-            obs, info = env.reset(seed=seed + ep)
+            obs, info = env_call("reset()", env.reset, seed=seed + ep)
             total, n, done = 0.0, 0, False
             while not done:
                 action = agent.act(obs, deterministic=deterministic, action_mask=_env_mask(env, info, agent.policy))
-                obs, reward, terminated, truncated, info = env.step(action)
+                obs, reward, terminated, truncated, info = env_call("step()", env.step, action)
                 total += float(reward)
                 n += 1
+                steps += 1
                 done = terminated or truncated
             returns.append(total)
             lengths.append(n)
     finally:
-        env.close()
+        try:
+            env.close()
+        except Exception as exc:  # noqa: BLE001 - the episodes are done; a close() that raises costs one line
+            import sys
+
+            print(f"warning: {env_failure(str(env_id), 'close()', steps, exc)}", file=sys.stderr)
     return {"mean": float(np.mean(returns)), "std": float(np.std(returns)), "returns": returns, "lengths": lengths}
 
 

@@ -191,6 +191,9 @@ def make_atari_vec_env(env_id: str, num_envs: int, vector_mode: str = "sync", en
         raise ConfigError("vector_mode", f"{vector_mode!r} is not available for Atari ids: ale-py's AtariVectorEnv "
                           "resets the whole game after a life loss and drops the raw score when clipping rewards, "
                           "so ppokit runs its exact wrappers under vector_mode 'sync' or 'async'")
+    from .envs.watchdog import async_kwargs
+
     factory = functools.partial(make_atari_env, env_id, dict(env_kwargs or {}), train)
     vector_class = gym.vector.SyncVectorEnv if vector_mode == "sync" else gym.vector.AsyncVectorEnv
-    return vector_class([factory] * int(num_envs), autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    return vector_class([factory] * int(num_envs), autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+                        **async_kwargs(vector_mode))  # async workers that die with the trainer

@@ -9,7 +9,8 @@ the update, the logger or checkpoints. What it handles:
   ``info["final_obs"]``, since the observation returned is already the next episode's;
 * NaN/Inf from the env: counted, zeroed, kept out of the statistics and never trained on;
 * the env output checks of ``envs.errors``, run in full only when a cheap shape/dtype test fails;
-* action masks, when the env provides them (``action_masks_available``): read after every reset and step from
+* action masks, when the env provides them (``action_masks_available``, which also looks at the first reset's
+  info): read after every reset and step from
   ``info["action_mask"]`` (Gymnasium's Taxi convention; a vector env batches it, ``info["_action_mask"]`` flags
   the envs that sent one) or else from each sub-env's ``action_masks()`` method (SB3-contrib's convention), acted
   on and stored in the buffer; an env without masks stores and computes nothing more;
@@ -23,6 +24,7 @@ state first) builds the ``EnvError`` that is raised.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -32,12 +34,13 @@ from .buffer import RolloutBuffer
 from .config import ConfigError
 from .encoders import MASK_KEY, obs_copy_, obs_index, obs_map, obs_to_tensor, observation_encoder
 from .envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
+from .envs.watchdog import NO_WATCHDOG, EnvTimeout
 from . import one_env
 from .hostnorm import HostNormalizers
 from .normalize import ObsNormalizer, RewardScaler
 from .policies import mask_logits
 
-__all__ = ["Collector", "Episodes", "action_masks_available", "allocate_buffer", "read_action_masks", "evaluate_first_episodes", "make_eval_envs",
+__all__ = ["Collector", "Episodes", "action_masks_available", "allocate_buffer", "forget_probe_reset", "read_action_masks", "evaluate_first_episodes", "make_eval_envs",
            "make_train_envs"]
 
 Episodes = list[tuple[float, int]]  # (raw return, length) of each episode finished in the rollout
@@ -94,14 +97,21 @@ class Collector:
 
     # The one-env loop (one_env.py) where it applies; False forces the general loop (tests compare the two).
     one_env_path = True
+    # What bounds each reset()/step() (envs.watchdog; the trainer sets its own): nothing, by default.
+    watchdog: Any = NO_WATCHDOG
 
     # ------------------------------------------------------------------ loop state
     def reset(self, seed: int) -> None:
         """Reset every env (seeded) and check what it returned."""
-        try:
-            obs, info = self.envs.reset(seed=seed)
-        except Exception as exc:  # noqa: BLE001 - whatever the env raised, say which env and where
-            raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from exc
+        probed = _PROBE_RESETS.pop(self.envs, None)
+        if probed is not None and probed[0] == seed:
+            obs, info = probed[1]  # action_masks_available's probe was this reset: the env is not reset twice
+        else:
+            try:
+                with self.watchdog.guard("reset()"):
+                    obs, info = self.envs.reset(seed=seed)
+            except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - whatever the env raised, say which and where
+                raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from exc
         self.next_obs_raw = check_obs_batch(obs, self.num_envs, self.envs.single_observation_space, self.env_id,
                                             "reset()", 0)
         if self.masked:
@@ -155,6 +165,7 @@ class Collector:
         encode, check_values = self.encoder.encode, self.encoder.check_values  # check_values: None for a Box
         rollout_start = step = global_step  # the step count the last update's state belongs to
         act = self.acting.act
+        watchdog = self.watchdog
         obs = self.normalize(obs_to_tensor(self.next_obs_raw, dev))
         hn = self.host_norm if self.host_norm is not None and self.host_norm.load() else None
         buf.has_final.zero_()
@@ -190,8 +201,11 @@ class Collector:
             t1 = time.perf_counter()
             t_inference += t1 - t0
             try:
+                watchdog.arm("step()")
                 next_obs, reward, terminated, truncated, info = self.envs.step(env_actions)
-            except Exception as exc:  # noqa: BLE001 - any env failure ends the run with one clear line
+                watchdog.disarm()
+            except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - any env failure ends the run in one line
+                watchdog.disarm()
                 raise self.fail(step, rollout_start, exc) from exc
             raw_obs = next_obs  # a Dict observation may carry the action mask (read below, after the checks)
             # The hot path only tests shape and dtype kind of arrays converted anyway; the checks that say what
@@ -348,16 +362,46 @@ def make_eval_envs(cfg: Any, custom_env: Any = None) -> tuple[Any, int]:
     return envs, (spec.max_episode_steps if spec is not None else None) or 100_000
 
 
-def action_masks_available(envs: Any) -> bool:
+def action_masks_available(envs: Any, probe_seed: int | None = None, env_id: str = "?",
+                           watchdog: Any = NO_WATCHDOG) -> bool:
     """Whether ``envs`` provides action masks: a sub-env (or the vector env itself) with an ``action_masks()``
-    method (SB3-contrib's convention) or with an ``action_mask`` attribute (Gymnasium's Taxi, which also sends the
-    mask as ``info["action_mask"]``). Decided before the first reset, so the trainer can choose its update path;
-    an env that only puts masks in ``info`` without either attribute is not detected, and neither is an async
-    vector env's (its sub-envs live in other processes). A Dict observation with an ``"action_mask"`` key
-    (PettingZoo's convention) always is."""
+    method (SB3-contrib's convention) or with an ``action_mask`` attribute (Gymnasium's Taxi), a Dict observation
+    with an ``"action_mask"`` key (PettingZoo's convention), or ``info["action_mask"]`` from the first reset.
+
+    Decided before the collector's first reset, so the trainer can choose its update path: the attributes are
+    looked up, and when none is found and ``probe_seed`` is given, the envs are reset once with that seed (the
+    collector's first reset, which repeats it with the same seed, then starts from the same observations) to see
+    whether the info carries a mask: the only way to learn it from an env that sends masks in ``info`` alone, or
+    from an async vector env (its sub-envs live in other processes). The answer is kept per vector env, so the
+    collector built on the same envs agrees, and so is the reset's result, which ``Collector.reset`` with the
+    same seed takes as its own (the envs are reset once; ``forget_probe_reset`` when they change in between). A
+    probe that fails is the run's ``reset()`` failure."""
     if MASK_KEY in getattr(getattr(envs, "single_observation_space", None), "spaces", ()):  # a gymnasium Dict
         return True
-    return hasattr(envs, "action_masks") or _sub_env_has(envs, "action_masks") or _sub_env_has(envs, "action_mask")
+    if hasattr(envs, "action_masks") or _sub_env_has(envs, "action_masks") or _sub_env_has(envs, "action_mask"):
+        return True
+    known = _INFO_MASKS.get(envs)
+    if known is not None or probe_seed is None:
+        return bool(known)
+    try:
+        with watchdog.guard("reset()"):
+            obs, info = envs.reset(seed=probe_seed)
+    except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - the first reset's failure, said as such
+        raise env_failure(env_id, "reset()", 0, exc, envs) from exc
+    _INFO_MASKS[envs] = found = isinstance(info, dict) and "action_mask" in info
+    _PROBE_RESETS[envs] = (probe_seed, (obs, info))
+    return found
+
+
+def forget_probe_reset(envs: Any) -> None:
+    """The envs changed after ``action_masks_available``'s probe (a sub-env replaced): the collector resets them."""
+    _PROBE_RESETS.pop(envs, None)
+
+
+# Vector env -> whether its first reset's info held "action_mask" (action_masks_available's probe).
+_INFO_MASKS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+# Vector env -> (seed, (obs, info)) of that probe reset, until the collector takes it as its first reset.
+_PROBE_RESETS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _sub_env_has(envs: Any, name: str) -> bool:
@@ -430,18 +474,21 @@ def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.de
 def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int,
                             max_steps: int, env_id: str, global_step: int,
                             action_bounds: tuple[np.ndarray, np.ndarray] | None,
-                            fail: Callable[[str, BaseException], EnvError]) -> float:
+                            fail: Callable[[str, BaseException], EnvError], watchdog: Any = NO_WATCHDOG) -> float:
     """Mean return of the first episode of each env of ``envs``, acting deterministically on ``actor``'s output
     (logits or Gaussian mean: no critic, no log-prob). ``fail(phase, exc)`` builds the error an env failure
-    raises."""
+    raises; ``watchdog`` bounds each reset and step (``envs.watchdog``)."""
     n, space = envs.num_envs, envs.single_observation_space
     masked = policy.kind != "continuous" and action_masks_available(envs)
     mask_dim = sum(policy.action_dims)
     try:
-        obs, info = envs.reset(seed=seed)
+        with watchdog.guard("evaluation reset()"):
+            obs, info = envs.reset(seed=seed)
+        # Separate envs from the training ones: a mask sent only in info is seen here, at their first reset.
+        masked = masked or (policy.kind != "continuous" and isinstance(info, dict) and "action_mask" in info)
         mask = read_action_masks(envs, info, mask_dim, obs=obs) if masked else None
         obs = check_obs_batch(obs, n, space, env_id, "evaluation reset()", global_step)
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, EnvTimeout) as exc:  # noqa: BLE001
         raise fail("evaluation reset()", exc) from exc
     device = next(policy.parameters()).device
     total, running = np.zeros(n), np.ones(n, dtype=bool)
@@ -456,12 +503,13 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
         if action_bounds is not None:
             actions = np.clip(actions, *action_bounds)
         try:
-            obs, reward, terminated, truncated, info = envs.step(actions)
+            with watchdog.guard("evaluation step()"):
+                obs, reward, terminated, truncated, info = envs.step(actions)
             mask = read_action_masks(envs, info, mask_dim, obs=obs) if masked else None
             obs = check_obs_batch(obs, n, space, env_id, "evaluation step()", global_step)
             reward, terminated, truncated = check_step_batch(reward, terminated, truncated, n, env_id, global_step,
                                                              "evaluation step()")
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, EnvTimeout) as exc:  # noqa: BLE001
             raise fail("evaluation step()", exc) from exc
         # Only each env's first episode counts; whatever follows an autoreset is ignored.
         total += np.where(running, np.asarray(reward, dtype=np.float64), 0.0)

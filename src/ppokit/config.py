@@ -80,6 +80,8 @@ class PPOConfig:
                                     "JSON object on the command line, e.g. '{\"map_name\": \"8x8\"}', or a TOML table")
     normalize_obs: bool = _f(False, "normalize observations by a running mean/std (clipped to +-10)")
     normalize_reward: bool = _f(False, "scale rewards by the running std of the discounted return (clipped to +-10)")
+    env_timeout: float | None = _f(120.0, "seconds an env's reset(), step() or close() may take before the run ends "
+                                   "naming the env, after saving the learner state (none or 0: no limit)", max=1e6)
     # --- rollout and schedule ---
     num_steps: int = _f(128, "steps T per environment per rollout (batch = num_envs * num_steps)")
     total_timesteps: int = _f(500_000, "total environment steps of the run")
@@ -186,6 +188,8 @@ class PPOConfig:
                      "init_kl_beta", "kl_target"):
             value = getattr(self, name)
             need(math.isfinite(value), name, f"must be a finite number, got {_show(value)}")
+        need(self.env_timeout is None or (math.isfinite(self.env_timeout) and self.env_timeout >= 0), "env_timeout",
+             f"must be a positive number of seconds, or none or 0 for no limit, got {_show(self.env_timeout)}")
         for f in dataclasses.fields(self):
             value, top = getattr(self, f.name), f.metadata.get("max")
             if top is not None and value is not None:

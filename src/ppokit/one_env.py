@@ -33,6 +33,7 @@ import torch
 from .acting import ActingKernel
 from .encoders import BoxEncoder
 from .envs.factory import one_env_steppable, step_one_env
+from .envs.watchdog import EnvTimeout
 
 __all__ = ["applies", "collect_one_env"]
 
@@ -56,6 +57,7 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
     t_start = time.perf_counter()
     rollout_start = step = global_step
     act = c.acting.act
+    watchdog = c.watchdog
     kernel = isinstance(c.acting, ActingKernel)
     # numpy views of the buffer (CPU tensors share their memory); the rows the step-t results go to.
     obs_np = buf.obs.numpy()[:, 0]  # [T, D]: step t's row is what the policy acts on at step t
@@ -111,8 +113,11 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
         t1 = time.perf_counter()
         t_inference += t1 - t0
         try:
+            watchdog.arm("step()")
             batch_obs, reward, terminated, truncated, final_obs = step_one_env(envs, env_action[0])
-        except Exception as exc:  # noqa: BLE001 - any env failure ends the run with one clear line
+            watchdog.disarm()
+        except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - any env failure ends the run in one line
+            watchdog.disarm()
             write_back()
             raise c.fail(step, rollout_start, exc) from exc
         step += 1

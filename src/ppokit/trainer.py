@@ -23,10 +23,12 @@ from . import schema as S
 from .acting import ActingKernel
 from .advantages import gae
 from .algos import Algo, adapt_kl_beta, get_algo  # noqa: F401  (adapt_kl_beta: ppo-kl's rule, importable from here)
-from .collector import Collector, action_masks_available, evaluate_first_episodes, make_eval_envs, make_train_envs
+from .collector import (Collector, action_masks_available, evaluate_first_episodes, forget_probe_reset,
+                        make_eval_envs, make_train_envs)
 from .config import ConfigError, PPOConfig
 from .encoders import obs_index, obs_map, observation_encoder
 from .envs.errors import EnvError
+from .envs.watchdog import EnvWatchdog, close_vector_env
 from .epochs import Batch, UpdateSettings, ppo_epochs
 from .flat_adam import FlatAdam
 from .fused_step import FusedStep
@@ -136,7 +138,15 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         self.obs_dim = self.policy.obs_dim
         # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
         # An env with action masks trains by autograd: the fused kernel (and its acting kernel) has no masks.
-        self.masked = self.policy.kind != "continuous" and action_masks_available(self.envs)
+        # Every reset()/step()/close() bounded by env_timeout, and by a grace period after Ctrl-C (envs.watchdog).
+        self.watchdog = EnvWatchdog(cfg.env_timeout, lambda: getattr(self, "_stop_requested", False))
+        try:  # masks sent only in info: seen at a first reset with the run's env seed (action_masks_available)
+            with self.watchdog.running():
+                self.masked = self.policy.kind != "continuous" and action_masks_available(
+                    self.envs, self.dist.env_seed(cfg.seed, cfg.num_envs), cfg.env_id, self.watchdog)
+        except BaseException:
+            close_vector_env(self.envs, self.watchdog)
+            raise
         self.fused = cfg.fused_update and fused_supports(self.policy, cfg.algo) and not self.masked
         if self.fused:
             self.optimizer = FlatAdam(self.policy, lr=cfg.learning_rate, eps=1e-5)
@@ -168,6 +178,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                                                 perf=self.perf, fail=self._rollout_failed)
         self.buffer, self.same_step = self.collector.buffer, self.collector.same_step
         self._stop_requested = False
+        self.collector.watchdog = self.watchdog
         self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
         self._eval_envs = None
 
@@ -196,11 +207,13 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 from .video import VIDEO_DIR, record_env0
 
                 # Env 0 records into RUN_DIR/videos (before the first reset, so episode 0 is the first one).
+                forget_probe_reset(self.envs)  # env 0 is rebuilt: the collector resets the envs itself
                 record_env0(self.envs, cfg.env_id, cfg.env_kwargs, self.run_dir / VIDEO_DIR, cfg.video_every,
                             int(resume_state["global_step"]) if resume_state is not None else 0,
                             custom=self.custom_env is not None)
             env_seed = self.dist.env_seed(cfg.seed, cfg.num_envs)  # cfg.seed in one process
-            self.collector.reset(env_seed)
+            with self.watchdog.running():
+                self.collector.reset(env_seed)
             self.envs.action_space.seed(env_seed)
             if resume_state is not None:
                 self._load_state(self.dist.resume_state(resume_state))
@@ -220,7 +233,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                                         sinks=self._tracking_sinks())
         except BaseException:
             self._claim.release()
-            self.envs.close()
+            self._close_envs()  # an env hung in reset() is not waited on
             raise
         # A trainer dropped without run() (built only to inspect its state) must not leave its lock behind.
         import weakref
@@ -247,6 +260,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
 
         cfg = self.config
         old_handler = _install_sigint(self)
+        self.watchdog.start()  # stopped once the envs are closed (_finish, _abandon)
         start_time = time.perf_counter()
         start_step = self.global_step
         saved_update = self.update_idx  # the update the run dir's checkpoint holds (none yet counts as current)
@@ -380,7 +394,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         return evaluate_first_episodes(self._eval_envs, self.policy, actor, self.collector.normalize,
                                        seed=cfg.seed + 7919 * (self.update_idx + 1), max_steps=self._eval_max_steps,
                                        env_id=cfg.env_id, global_step=self.global_step,
-                                       action_bounds=self.collector.action_bounds, fail=failed)
+                                       action_bounds=self.collector.action_bounds, fail=failed,
+                                       watchdog=self.watchdog)
 
     # ================================================================== 2. advantages
     def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from . import distributed
 from . import schema as S
 from .schema import PERF_PHASES
 from .envs.errors import EnvError, env_failure
+from .envs.watchdog import EnvTimeout, close_vector_env
 from .trainer_state import CHECKPOINT_NAME
 
 __all__ = ["TrainerLifecycle", "install_sigint"]
@@ -63,7 +64,8 @@ class TrainerLifecycle:
             note = f"the checkpoint of update {self.update_idx} in {path} is up to date"
         else:
             note = "no checkpoint could be written"
-        error = EnvError(f"{error}; {note}")
+        interrupted, error = error.interrupted, EnvError(f"{error}; {note}")
+        error.interrupted = interrupted
         # On record for doctor/report; closing the logger and envs is left to run()'s exception path.
         try:
             self.logger.alert(self.global_step, "alert", "env_error", str(error))
@@ -124,20 +126,23 @@ class TrainerLifecycle:
                 self.logger.close()
                 self._close_envs()
             finally:
+                self.watchdog.stop()
                 self._claim.release()
 
     def _close_envs(self) -> None:
-        """Close the training and evaluation envs; an env whose close() raises costs a warning, not the run."""
-        for envs in (self.envs, self._eval_envs):
-            if envs is None:
-                continue
-            try:
-                envs.close()
-            except Exception as exc:  # noqa: BLE001 - the run's files are written; nothing is lost
-                import sys
+        """Close the training and evaluation envs, bounded by the watchdog (a hung async env's workers are
+        killed, not waited on); an env whose close() raises or hangs costs one warning line, not the run."""
+        with self.watchdog.running():
+            for envs in (self.envs, self._eval_envs):
+                if envs is None:
+                    continue
+                try:
+                    close_vector_env(envs, self.watchdog)
+                except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - the run's files are written
+                    import sys
 
-                print(f"warning: env {self.config.env_id!r} raised in close(): {type(exc).__name__}: {exc}",
-                      file=sys.stderr)
+                    print(f"warning: {env_failure(self.config.env_id, 'close()', self.global_step, exc)}",
+                          file=sys.stderr)
 
     def _note_interrupt(self) -> None:
         """Log the Ctrl-C alert once. Here, in the loop, never in the signal handler: the interrupted code may hold
@@ -159,6 +164,7 @@ class TrainerLifecycle:
         except Exception:
             pass  # the exception in flight is the one to report
         finally:
+            self.watchdog.stop()
             self._claim.release()
 
 

@@ -19,9 +19,61 @@ from typing import Any
 
 from .config import ConfigError
 
-__all__ = ["VIDEO_DIR", "require_video", "record_env0"]
+__all__ = ["VIDEO_DIR", "require_video", "record_env0", "prepare_offscreen", "MUJOCO_GL_HINT"]
 
 VIDEO_DIR = "videos"
+
+# MuJoCo's headless OpenGL backends, in the order tried (EGL: GPU or Mesa's EGL; OSMesa: software).
+HEADLESS_GL = ("egl", "osmesa")
+MUJOCO_GL_HINT = ("MuJoCo found no display to render on: set MUJOCO_GL=egl (or MUJOCO_GL=osmesa) for headless "
+                  "rendering, which needs libEGL (or libOSMesa)")
+
+
+def prepare_offscreen(env_id: str | None) -> None:
+    """Before an env is built to render ``rgb_array`` frames (``ppokit eval --video``, ``--capture-video``):
+
+    * SDL's dummy video driver (pygame, classic control), so a headless machine prints no "XDG_RUNTIME_DIR is
+      invalid" line; a driver the user set is kept;
+    * for a Gymnasium MuJoCo id on Linux without a display and without ``MUJOCO_GL``: the first headless backend
+      of ``HEADLESS_GL`` that creates a context, tried in a subprocess (a failed backend cannot be replaced in this
+      process: PyOpenGL binds its platform once), set in ``MUJOCO_GL`` before MuJoCo's renderer is imported.
+      Without this, Gymnasium tries GLFW first, which fails, and then EGL in a poisoned process (mujoco.FatalError).
+      When none works, ``MUJOCO_GL`` stays unset and the render fails; the caller says ``MUJOCO_GL_HINT``.
+    """
+    import os
+    import sys
+
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    if (os.environ.get("MUJOCO_GL") or not sys.platform.startswith("linux") or os.environ.get("DISPLAY")
+            or os.environ.get("WAYLAND_DISPLAY") or not _is_mujoco(env_id)):
+        return
+    for backend in HEADLESS_GL:
+        if _gl_works(backend):
+            os.environ["MUJOCO_GL"] = backend
+            return
+
+
+def _is_mujoco(env_id: str | None) -> bool:
+    import gymnasium as gym
+
+    entry = getattr(gym.registry.get(env_id or ""), "entry_point", None)
+    return isinstance(entry, str) and entry.startswith("gymnasium.envs.mujoco")
+
+
+def _gl_works(backend: str) -> bool:
+    """Whether MuJoCo's ``backend`` creates an OpenGL context here (in a subprocess, ~1 s)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (f"from mujoco.{backend} import GLContext\n"
+            "context = GLContext(8, 8)\ncontext.make_current()\ncontext.free()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYOPENGL_PLATFORM"}
+    try:
+        return subprocess.run([sys.executable, "-c", code], env={**env, "MUJOCO_GL": backend},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def require_video() -> None:
@@ -37,14 +89,10 @@ def record_env0(envs: Any, env_id: str, env_kwargs: dict, folder: Path, every: i
                 custom: bool = False) -> None:
     """Replace sub-env 0 of the (un-reset) sync vector env ``envs`` by a ``RecordVideo`` of an ``rgb_array`` copy
     of it, recording every ``every``-th episode (0, every, 2*every, ...) into ``folder``."""
-    import os
-
     import gymnasium as gym
     from gymnasium.wrappers import RecordVideo
 
-    # rgb_array frames are drawn off-screen: SDL's dummy video driver, so a headless machine prints no
-    # "XDG_RUNTIME_DIR is invalid" line from pygame (a driver the user set is kept).
-    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    prepare_offscreen(None if custom else env_id)  # rgb_array frames are drawn off-screen
     subs = getattr(envs, "envs", None)
     if not subs:
         raise ConfigError("capture_video", "records env 0 of a sync vector env (sub-envs in this process); set "

@@ -50,13 +50,14 @@ def run(args: argparse.Namespace) -> int:
 
     from ppokit.agent import evaluate, load
     from ppokit.checkpoint import CheckpointError
+    from ppokit.envs.errors import EnvError
 
     console = Console()
     err = Console(stderr=True)
 
     def fail(message: str) -> int:
         # Messages hold paths, env ids and "pip install 'ppokit[video]'": escape them, or rich eats [brackets].
-        err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)  # one line, however long
+        err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # one line
         return 2
 
     if args.episodes < 1:
@@ -71,15 +72,28 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     try:
         agent = load(args.run_dir, env_id=args.env, allow_import=tuple(args.import_module))
+        if args.video:
+            from ppokit.video import prepare_offscreen
+
+            prepare_offscreen(args.env or agent.env_id)  # before the env (and MuJoCo's renderer) is built
         result = evaluate(agent, args.env, episodes=args.episodes, deterministic=args.deterministic,
                           seed=args.seed, video_dir=args.video, env_kwargs=env_kwargs)
     except CheckpointError as exc:
         return fail(str(exc))
+    except EnvError as exc:  # the env raised or returned what its spaces do not allow: exit 1, as in train
+        fail(str(exc))
+        return 1
     except gym.error.DependencyNotInstalled as exc:
         return fail(_missing_dependency(exc))
     except (ValueError, gym.error.Error) as exc:
         # An unknown or malformed env id, or an env whose spaces are not the run's.
         return fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - only MuJoCo's own rendering errors; anything else is re-raised
+        if args.video and type(exc).__module__.split(".")[0] == "mujoco":
+            from ppokit.video import MUJOCO_GL_HINT
+
+            return fail(f"{MUJOCO_GL_HINT} ({type(exc).__name__}: {' '.join(str(exc).split())})")
+        raise
     console.print(f"{escape(agent.env_id)}: mean return {result['mean']:.2f} +- {result['std']:.2f} over "
                   f"{args.episodes} episodes ({'deterministic' if args.deterministic else 'stochastic'})")
     if args.video:

@@ -162,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except (EnvError, SinkError) as exc:
-        # The env raised, or returned what its spaces do not allow, or TensorBoard could not write (a full disk);
-        # the trainer saved what it could.
+        # The env raised, returned what its spaces do not allow, or hung (on Ctrl-C: 130), or TensorBoard could
+        # not write (a full disk); the trainer saved what it could.
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 1
+        return 130 if getattr(exc, "interrupted", False) else 1  # SinkError: never interrupted
     except ValueError as exc:
         # Environment problems (unknown id, unsupported spaces) surface as ValueError before training starts.
         err.print(f"[bold red]error:[/] {tag}{escape(str(exc))}", highlight=False, soft_wrap=True)

@@ -25,7 +25,10 @@ _NUMERIC_KINDS = "biuf"
 
 
 class EnvError(RuntimeError):
-    """An environment raised or returned data that does not match its spaces; the message says which and where."""
+    """An environment raised or returned data that does not match its spaces, or did not return in time; the
+    message says which and where. ``interrupted``: the run was ending on Ctrl-C when the env hung (exit 130)."""
+
+    interrupted = False
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -190,6 +193,18 @@ def env_failure(env_id: str, phase: str, global_step: int, exc: BaseException | 
     """
     if isinstance(exc, EnvError):
         return exc
+    from .watchdog import EnvTimeout, pending_workers
+
+    if isinstance(exc, EnvTimeout):
+        # A hung env is never called again (a probe would hang too): the index is the sub-env whose frame the
+        # interruption landed in (sync), or the worker that has not answered (async).
+        index = _failing_index(envs, exc.__traceback__)[0] if getattr(envs, "envs", None) is not None else None
+        pending = [index] if index is not None else pending_workers(envs, exc.__traceback__)
+        where = f"env {env_id!r}" + (f" (env index {pending[0]})" if len(pending) == 1 else
+                                     f" (env indices {', '.join(map(str, pending))})" if pending else "")
+        error = EnvError(f"{where} failed in {phase} at global step {global_step:,}: {exc.reason}")
+        error.interrupted = exc.interrupted
+        return error
     index, raised_by_env = _failing_index(envs, exc.__traceback__) if exc is not None else (None, False)
     found = None
     if envs is not None:

@@ -14,6 +14,8 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
+from .watchdog import async_kwargs
+
 VECTOR_MODES = ("sync", "async", "native", "envpool")
 # The env_id recorded for a custom env without a registered spec: "custom:MyEnv" (MyEnv: its unwrapped class).
 CUSTOM_PREFIX = "custom"
@@ -93,11 +95,48 @@ def check_env_id(env_id: str) -> None:
         raise ValueError(f"Unknown environment id {name!r}: module {module!r} was imported but registered no env "
                          f"of that name. {_suggest(name)}")
     if env_id in gym.registry:
+        quiet_mujoco(env_id)
         return
     raise ValueError(
         f"Unknown environment id {env_id!r}. {_suggest(env_id)} "
         "(Environments from other packages need that package imported, or an id of the form 'module:EnvName-v0'.)"
     )
+
+
+# MuJoCo >= 3.4 warns on every compile of a model that sets compiler/settotalmass (HalfCheetah's XML in Gymnasium's
+# assets), once per env built: a deprecation of the asset, nothing the user can act on. Only that message is
+# dropped; every other MuJoCo warning is printed as MuJoCo's own handler prints it.
+_MUJOCO_QUIET = ("compiler attribute 'settotalmass' is deprecated",)
+
+
+def quiet_mujoco(env_id: str) -> None:
+    """For a Gymnasium MuJoCo env id: install (once per process, before any model compiles; forked async workers
+    inherit it) a MuJoCo warning handler that drops the messages of ``_MUJOCO_QUIET``."""
+    global _mujoco_quieted
+    if _mujoco_quieted:
+        return
+    entry = getattr(gym.registry.get(env_id), "entry_point", None)
+    if not (isinstance(entry, str) and entry.startswith("gymnasium.envs.mujoco")):
+        return
+    try:
+        import mujoco
+    except ImportError:
+        return  # building the env says what is missing
+    previous = mujoco.get_mju_user_warning()
+
+    def warning(message: str) -> None:
+        if any(text in message for text in _MUJOCO_QUIET):
+            return
+        if previous is not None:
+            previous(message)
+        else:
+            print(f"WARNING: {message}", file=sys.stderr)
+
+    mujoco.set_mju_user_warning(warning)
+    _mujoco_quieted = True
+
+
+_mujoco_quieted = False
 
 
 def _suggest(env_id: str) -> str:
@@ -319,7 +358,7 @@ def make_vec_env(
                 raise ValueError(f"an env factory runs with vector_mode 'sync' or 'async' and no env_kwargs, got "
                                  f"vector_mode={vector_mode!r}, env_kwargs={kwargs}")
             vector_class = gym.vector.SyncVectorEnv if vector_mode == "sync" else gym.vector.AsyncVectorEnv
-            env = vector_class([env_fn] * int(num_envs), autoreset_mode=same_step)
+            env = vector_class([env_fn] * int(num_envs), autoreset_mode=same_step, **async_kwargs(vector_mode))
             if len({id(sub) for sub in getattr(env, "envs", [])}) not in (0, int(num_envs)):
                 # `env=lambda: my_env` hands out one object N times: N "envs" stepping one state, silently.
                 env.close()
@@ -335,8 +374,9 @@ def make_vec_env(
             check_env_id(env_id)
             # make_vec hands sub-processes an EnvSpec whose entry point is an import string,
             # so workers import ppokit.envs.gridworld themselves and need no registry state.
+            # Async workers die with the trainer, even when it is killed (envs.watchdog.orphan_proof_worker).
             env = gym.make_vec(env_id, num_envs=int(num_envs), vectorization_mode=vector_mode,
-                               vector_kwargs={"autoreset_mode": same_step}, **kwargs)
+                               vector_kwargs={"autoreset_mode": same_step, **async_kwargs(vector_mode)}, **kwargs)
         else:
             check_env_id(env_id)
             spec = _get_spec(env_id)
