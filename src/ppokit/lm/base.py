@@ -91,6 +91,7 @@ class LMTrainer(LMRunLifecycle):
     algo = "lm"
     kl_knob = "kl_coef"  # the config field that weighs the KL to pi_ref (named by the KL runaway alert)
     uses_reference = True
+    has_critic = False  # a value model beside the policy (PPO-RLHF's): the memory check counts it
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: LMConfig | None = None,
                  run_dir: str | Path | None = None, ref_model: nn.Module | None = None,
@@ -163,7 +164,7 @@ class LMTrainer(LMRunLifecycle):
                       response_len: int, rows_text: str) -> None:
         copies = int(self.uses_reference and ref_model is None and not is_peft_model(model))
         check_lm_memory(self.config, model, rows, prompt_len, response_len, extra_models=copies,
-                        value_model=self.algo == "ppo", rows_text=rows_text)
+                        value_model=self.has_critic, rows_text=rows_text)
 
     # ---------------------------------------------------------------- models
     def _init_reference(self, ref_model: nn.Module | None) -> None:

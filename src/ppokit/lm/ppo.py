@@ -114,6 +114,7 @@ class PPOTrainer(LMTrainer):
     """PPO-RLHF on a causal LM: ``PPOTrainer(model, tokenizer, reward=..., prompts=..., config=LMConfig(...))``."""
 
     algo = "ppo"
+    has_critic = True
 
     def __init__(self, model: nn.Module, tokenizer: Any, reward: Any, prompts: Any, config=None, run_dir=None,
                  ref_model: nn.Module | None = None, value_model: nn.Module | None = None, *, overwrite: bool = False):
