@@ -3,7 +3,7 @@
 Times, each in a fresh interpreter (subprocess, process start to exit), alternating between the two:
 
 - ``python -c "import torch"``: the floor every torch program pays;
-- ``python -m ppokit.cli train --env CartPole-v1 --total-timesteps 512 --num-envs 4 --num-steps 128 --quiet``:
+- ``python -m ppokit.cli.main train --env CartPole-v1 --total-timesteps 512 --num-envs 4 --num-steps 128 --quiet``:
   one update of CartPole, so nearly all of it is the other imports, env and logger set-up, the final checkpoint,
   the end-of-run figure and exit.
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-TRAIN = ["-m", "ppokit.cli", "train", "--env", "CartPole-v1", "--total-timesteps", "512", "--num-envs", "4",
+TRAIN = ["-m", "ppokit.cli.main", "train", "--env", "CartPole-v1", "--total-timesteps", "512", "--num-envs", "4",
          "--num-steps", "128", "--quiet"]
 TORCH = ["-c", "import torch"]
 TARGET_S = 1.0
@@ -55,7 +55,7 @@ def timed(args: list[str], cwd: str) -> float:
 def import_breakdown(args: list[str], cwd: str) -> list[tuple[str, float]]:
     """Import ms of each top-level package (``torch``, ``matplotlib``, ...) under ``python -X importtime *args``,
     largest first: the cumulative time of every import of one of its modules from outside the package (so
-    ``matplotlib.figure`` imported by ``ppokit.plots`` counts for matplotlib). Packages nest: numpy's time is also
+    ``matplotlib.figure`` imported by ``ppokit.diagnostics.plots`` counts for matplotlib). Packages nest: numpy's time is also
     inside torch's."""
     proc = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=cwd, env=_env(), capture_output=True,
                           text=True)

@@ -28,10 +28,10 @@ import _common as C  # noqa: E402,F401  (one torch thread)
 def measure(env_id: str, reps: int, host_path: bool, one_env: bool = True) -> dict[str, float]:
     import torch
 
-    from ppokit import hostnorm
-    from ppokit.collector import Collector
-    from ppokit.config import load_preset
-    from ppokit.trainer import Trainer
+    from ppokit.rollout import hostnorm
+    from ppokit.rollout.collector import Collector
+    from ppokit.config.ppo_config import load_preset
+    from ppokit.training.trainer import Trainer
 
     applies = hostnorm.HostNormalizers.applies
     if not host_path:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppokit.acting import ActingKernel
-from ppokit.epochs import Batch
+from ppokit.kernels.acting import ActingKernel
+from ppokit.update.epochs import Batch
 from ppokit.policies import ActorCritic
-from ppokit.update import UpdateSettings, ppo_update
+from ppokit.update.autograd import UpdateSettings, ppo_update
 
 
 @pytest.mark.parametrize("kind", ["discrete", "continuous"])

@@ -18,15 +18,15 @@ import pytest
 import torch
 
 import ppokit
-from ppokit.checkpoint import (
+from ppokit.runtime.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     load_checkpoint,
     save_checkpoint,
 )
-from ppokit.cli import main
-from ppokit.config import PPOConfig
-from ppokit.trainer import CHECKPOINT_NAME, resume, train
+from ppokit.cli.main import main
+from ppokit.config.ppo_config import PPOConfig
+from ppokit.training.trainer import CHECKPOINT_NAME, resume, train
 
 torch.set_num_threads(1)
 
@@ -81,7 +81,7 @@ def _out(capsys) -> str:
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     # `python -m` puts cwd on sys.path, so an evilmod.py in cwd is importable: the worst case for the loader.
-    return subprocess.run([sys.executable, "-m", "ppokit.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ppokit.cli.main", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300, env={**__import__("os").environ, "COLUMNS": "400"})
 
 
@@ -336,14 +336,14 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_exits_non_zero(tmp_path
 def test_eval_names_the_missing_dependency_and_keeps_its_brackets(runs, tmp_path, capsys, monkeypatch, text, package):
     import gymnasium as gym
 
-    import ppokit.agent
+    import ppokit.training.agent
 
     run_dir = _copy(runs, "cartpole", tmp_path / "run")
 
     def missing(*args, **kwargs):
         raise gym.error.DependencyNotInstalled(text)
 
-    monkeypatch.setattr(ppokit.agent, "evaluate", missing)
+    monkeypatch.setattr(ppokit.training.agent, "evaluate", missing)
     assert main(["eval", str(run_dir), "--episodes", "1", "--video", str(tmp_path / "v")]) == 2
     out = _out(capsys)
     assert out.startswith(f"error: {package} is not installed (pip install 'ppokit[video]')")

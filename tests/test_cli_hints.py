@@ -12,8 +12,8 @@ import sys
 import pytest
 
 import ppokit
-from ppokit.cli import main
-from ppokit.config import ConfigError, PPOConfig, load_preset
+from ppokit.cli.main import main
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 
 
 def _last_step(run_dir) -> int:

@@ -2,8 +2,8 @@
 code 2, one message naming the field, and no traceback. Then the decisions around them: strict types, what a
 resume accepts, the planner's config for a bare ``--env``, resource limits, and the small CLI conveniences.
 
-The table runs through ``ppokit.cli.main`` in-process (fast); a representative subset also runs the real
-``python -m ppokit.cli`` in a subprocess, where a traceback would really reach the user.
+The table runs through ``ppokit.cli.main.main`` in-process (fast); a representative subset also runs the real
+``python -m ppokit.cli.main`` in a subprocess, where a traceback would really reach the user.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-import ppokit.resources
-from ppokit.cli import main
-from ppokit.config import ConfigError, PPOConfig, load_preset
-from ppokit.resources import check_memory, estimate_memory, usable_threads
+import ppokit.config.resources
+from ppokit.cli.main import main
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
+from ppokit.config.resources import check_memory, estimate_memory, usable_threads
 
 LONG_NAME = "x" * 300
 NUMBERS_NOT_INTS = ["1e999", "-1e999", "nan", "1.5", "abc", ""]
@@ -178,7 +178,7 @@ SUBPROCESS_CASES = [
 def test_the_real_cli_prints_one_error_line_and_exits_2(tmp_path):
     env = {**os.environ, "COLUMNS": "200"}
     for field, argv in SUBPROCESS_CASES:
-        proc = subprocess.run([sys.executable, "-m", "ppokit.cli", "train", "--preset", "gridworld", "--quiet", *argv],
+        proc = subprocess.run([sys.executable, "-m", "ppokit.cli.main", "train", "--preset", "gridworld", "--quiet", *argv],
                               capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
         assert proc.returncode == 2, (argv, proc.stderr)
         assert f"'{field}'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
@@ -223,7 +223,7 @@ def fake_resume(monkeypatch):
         calls.append(total_timesteps)
         return Done()
 
-    monkeypatch.setattr("ppokit.trainer.resume", resume)
+    monkeypatch.setattr("ppokit.training.trainer.resume", resume)
     return calls
 
 
@@ -262,12 +262,12 @@ def fake_train(monkeypatch):
         seen.append(config)
         return Done()
 
-    monkeypatch.setattr("ppokit.trainer.train", train)
+    monkeypatch.setattr("ppokit.training.trainer.train", train)
     return seen
 
 
 def test_bare_env_trains_the_planners_config_and_says_so(fake_train, capsys):
-    from ppokit.planner import make_plan
+    from ppokit.config.planner import make_plan
 
     assert main(["train", "--env", "CartPole-v1"]) == 0
     err = " ".join(capsys.readouterr().err.split())
@@ -298,7 +298,7 @@ def test_bad_flag_with_a_bare_env_is_refused_before_the_env_is_probed(fake_train
     def no_probe(*a, **kw):
         raise AssertionError("probed")
 
-    monkeypatch.setattr("ppokit.planner.probe_env", no_probe)
+    monkeypatch.setattr("ppokit.config.planner.probe_env", no_probe)
     assert main(["train", "--env", "ppokit/GridWorld-v0", "--num-envs", "1e999"]) == 2
     assert "'num_envs'" in capsys.readouterr().err and fake_train == []
 
@@ -314,7 +314,7 @@ def test_fewer_steps_than_one_batch_is_said(fake_train, capsys):
 # ------------------------------------------------------------------ resources
 def test_memory_estimate_refuses_what_the_machine_cannot_hold(monkeypatch):
     cfg = PPOConfig(num_envs=8, num_steps=128)
-    monkeypatch.setattr(ppokit.resources, "available_memory", lambda device="cpu": 10 << 30)
+    monkeypatch.setattr(ppokit.config.resources, "available_memory", lambda device="cpu": 10 << 30)
     check_memory(cfg, obs_dim=4)  # CartPole-sized: fine
     with pytest.raises(ConfigError) as e:
         check_memory(cfg, obs_dim=10_000_000)  # 1024 transitions x 40 MB each
@@ -325,12 +325,12 @@ def test_memory_estimate_refuses_what_the_machine_cannot_hold(monkeypatch):
 
 
 def test_the_trainer_repeats_the_memory_check_with_the_real_observation_size(monkeypatch, tmp_path):
-    from ppokit.trainer import train
+    from ppokit.training.trainer import train
 
     cfg = PPOConfig.from_dict({"run_dir": str(tmp_path / "m"), "tensorboard": False}, load_preset("gridworld"))
     # Room for a one-float observation (what validate() assumes) but not for GridWorld's real one.
     room = estimate_memory(cfg, 1) + 1
-    monkeypatch.setattr(ppokit.resources, "available_memory", lambda device="cpu": room)
+    monkeypatch.setattr(ppokit.config.resources, "available_memory", lambda device="cpu": room)
     cfg.validate()
     with pytest.raises(ConfigError) as e:
         train(cfg, console_enabled=False)
@@ -338,12 +338,12 @@ def test_the_trainer_repeats_the_memory_check_with_the_real_observation_size(mon
 
 
 def test_available_memory_reads_the_machine():
-    have = ppokit.resources.available_memory()
+    have = ppokit.config.resources.available_memory()
     assert have is None or have > 0
 
 
 def test_torch_threads_are_capped_at_the_core_count(capsys, tmp_path):
-    from ppokit.trainer import train
+    from ppokit.training.trainer import train
 
     cores = os.cpu_count() or 1
     assert usable_threads(1) == 1
@@ -380,8 +380,8 @@ def test_version_flag(capsys):
 
 
 def test_help_texts_show_the_real_run_dir_layout_and_every_preset(capsys, monkeypatch):
-    from ppokit.config import list_presets
-    from ppokit.trainer import default_run_dir
+    from ppokit.config.ppo_config import list_presets
+    from ppokit.training.trainer import default_run_dir
 
     monkeypatch.setenv("COLUMNS", "300")  # argparse would break 'cartpole-fast' at its hyphen
     name = default_run_dir(PPOConfig(env_id="CartPole-v1", algo="a2c", seed=3)).name
@@ -408,7 +408,7 @@ def test_an_envpool_task_the_planner_cannot_probe_keeps_the_library_defaults(fak
     def no_probe(*a, **kw):
         raise AssertionError("probed")
 
-    monkeypatch.setattr("ppokit.planner.probe_env", no_probe)
+    monkeypatch.setattr("ppokit.config.planner.probe_env", no_probe)
     assert main(["train", "--env", "Pong-v5", "--vector-mode", "envpool", "--num-envs", "8"]) == 0
     assert fake_train[0] == PPOConfig(env_id="Pong-v5", vector_mode="envpool", num_envs=8)
     assert "library defaults for Pong-v5" in " ".join(capsys.readouterr().err.split())
@@ -419,8 +419,8 @@ def test_an_image_observation_is_counted_in_bytes_not_floats():
     import numpy as np
     import torch
 
-    from ppokit.encoders import observation_encoder
-    from ppokit.resources import layout_bytes
+    from ppokit.envs.encoders import observation_encoder
+    from ppokit.config.resources import layout_bytes
 
     frames = observation_encoder(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)).layout()
     assert layout_bytes(frames) == 4 * 84 * 84

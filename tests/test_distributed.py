@@ -1,4 +1,4 @@
-"""Data-parallel PPO (``ppokit.distributed``): K ranks under torchrun are one job.
+"""Data-parallel PPO (``ppokit.runtime.distributed``): K ranks under torchrun are one job.
 
 The behaviour tests launch real ranks on this machine (gloo on 127.0.0.1, free ports, tiny CartPole budgets,
 every subprocess under a hard timeout) and compare what rank 0 records with ``PPOKIT_DIST_CHECKSUMS``: after
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppokit import distributed
-from ppokit.distributed import Dist, combine_moments
-from ppokit.normalize import RunningMeanStd
+from ppokit.runtime import distributed
+from ppokit.runtime.distributed import Dist, combine_moments
+from ppokit.rollout.normalize import RunningMeanStd
 
 # Seconds for any one launch: a few seconds each on an idle machine, but a bound, not a wait (every wait polls),
 # generous enough for a loaded machine (checked under taskset -c 0 beside a busy loop).
@@ -154,7 +154,7 @@ def test_kl_early_stop_on_every_rank_together_does_not_hang(two_node_run):
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
-    from ppokit.trainer import resume
+    from ppokit.training.trainer import resume
 
     src, proc = two_rank_run
     _ok(proc)
@@ -167,9 +167,9 @@ def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
 
 
 def test_one_process_checkpoint_resumes_in_two_ranks(tmp_path):
-    from ppokit.commands.train import config_from_args
-    from ppokit.cli import build_parser
-    from ppokit.trainer import train
+    from ppokit.cli.train import config_from_args
+    from ppokit.cli.main import build_parser
+    from ppokit.training.trainer import train
 
     args = build_parser().parse_args(["train", *BASE, "--total-timesteps", "128"])
     train(config_from_args(args), run_dir=tmp_path / "run", console_enabled=False)  # 2 updates of 64
@@ -186,7 +186,7 @@ def test_a_lost_rank_is_named_by_the_survivor_within_the_timeout(sig, tmp_path):
     """kill -9 (its sockets close: noticed at once) or SIGSTOP (it just stops answering: noticed when the
     collective times out) of rank 1: rank 0 exits non-zero within dist_timeout, naming rank 1; its checkpoint
     loads."""
-    from ppokit.checkpoint import LEARNER_KEYS, load_checkpoint
+    from ppokit.runtime.checkpoint import LEARNER_KEYS, load_checkpoint
 
     port, run_dir, timeout = _free_port(), tmp_path / "run", 8
     args = [*BASE, "--total-timesteps", "10000000", "--save-every", "1", "--dist-timeout", str(timeout),
@@ -273,7 +273,7 @@ def test_sync_hook_averages_gradients_and_stats_in_one_all_reduce(monkeypatch):
 
 
 def test_schedule_counts_every_rank_and_reduces_to_num_updates_in_one_process():
-    from ppokit.config import PPOConfig
+    from ppokit.config.ppo_config import PPOConfig
 
     cfg = PPOConfig(num_envs=4, num_steps=16, total_timesteps=1000)
     assert distributed.LOCAL.schedule(1000, 64, 0, 0) == (cfg.num_updates, cfg.num_updates * 64)
@@ -284,8 +284,8 @@ def test_schedule_counts_every_rank_and_reduces_to_num_updates_in_one_process():
 
 
 def test_nproc_relaunch_reproduces_every_given_flag():
-    from ppokit.cli import build_parser
-    from ppokit.commands.train import _child_argv
+    from ppokit.cli.main import build_parser
+    from ppokit.cli.train import _child_argv
 
     argv = ["train", "--nproc", "2", "--env", "CartPole-v1", "--num-envs", "3", "--no-fused-update",
             "--hidden-sizes", "8,8", "--quiet", "--import-module", "x", "--run-dir", "r"]
@@ -308,9 +308,9 @@ def test_env_and_torch_seeds_of_the_ranks_never_overlap():
 def test_a_rollout_backend_plugs_in_without_touching_the_learner(tmp_path):
     """``train(rollout=...)`` builds the rollout side from Collector's arguments: a backend that wraps the local
     Collector (standing in for remote workers) trains the same run, bit for bit, as the Collector itself."""
-    from ppokit.collector import Collector
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import train
+    from ppokit.rollout.collector import Collector
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import train
 
     calls = []
 
@@ -334,9 +334,9 @@ def test_a_rollout_backend_plugs_in_without_touching_the_learner(tmp_path):
 
 
 def test_the_collector_is_the_rollout_source_the_trainer_reads(tmp_path):
-    from ppokit.config import PPOConfig
-    from ppokit.rollout_source import RolloutSource
-    from ppokit.trainer import Trainer
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.rollout.source import RolloutSource
+    from ppokit.training.trainer import Trainer
 
     trainer = Trainer(PPOConfig(env_id="CartPole-v1", num_envs=2, num_steps=8, total_timesteps=16,
                                 tensorboard=False), run_dir=tmp_path / "run", console_enabled=False)
@@ -433,7 +433,7 @@ def test_shard_splits_whole_items_and_refuses_an_uneven_split():
 def test_whitening_over_the_ranks_equals_normalize_over_the_whole_batch(monkeypatch):
     """Rank 0's half of ``Dist.whiten`` (the peer's moments in place of the all-gather) is the first half of
     ``advantages.normalize`` over both halves with the mask."""
-    from ppokit.advantages import normalize
+    from ppokit.core.advantages import normalize
 
     torch.manual_seed(2)
     x = torch.randn(6, 5) * 3 + 1
@@ -448,7 +448,7 @@ def test_whitening_over_the_ranks_equals_normalize_over_the_whole_batch(monkeypa
 
 
 def test_a_bad_nproc_is_one_line_and_exit_code_2(capsys):
-    from ppokit.cli import main
+    from ppokit.cli.main import main
 
     assert main(["train", "--nproc", "0", "--env", "CartPole-v1", "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -458,8 +458,8 @@ def test_a_bad_nproc_is_one_line_and_exit_code_2(capsys):
 def test_logged_diagnostics_are_those_of_both_ranks_data_together(monkeypatch):
     """``Dist.diagnostics`` on rank 0, the peer's row in place of the all-gather, against the single-process
     formulas (``explained_variance``, ``Tensor.std``, episode means) applied to both ranks' data concatenated."""
-    from ppokit import schema as S
-    from ppokit.objectives import explained_variance
+    from ppokit.core import schema as S
+    from ppokit.core.objectives import explained_variance
 
     torch.manual_seed(3)
 
@@ -491,7 +491,7 @@ def test_logged_diagnostics_are_those_of_both_ranks_data_together(monkeypatch):
 def test_every_rank_runs_the_minibatch_count_of_the_smallest_batch(monkeypatch):
     """A rank whose rollout kept 3 valid steps makes only 3 non-empty minibatches of 4: every rank must run 3
     (one all-reduce each), or the others wait for a fourth that never comes."""
-    from ppokit.epochs import UpdateSettings, minibatch_sizes
+    from ppokit.update.epochs import UpdateSettings, minibatch_sizes
 
     s = UpdateSettings(algo="ppo", update_epochs=1, num_minibatches=4, clip_coef=0.2, clip_vloss=True,
                        norm_adv=True, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, target_kl=None)
@@ -508,7 +508,7 @@ def test_every_rank_runs_the_minibatch_count_of_the_smallest_batch(monkeypatch):
 def test_sigterm_to_torchrun_makes_every_rank_finish_the_update_and_save(tmp_path):
     """Preemption (Slurm, Kubernetes, or torchrun's own shutdown) sends SIGTERM: the ranks agree to stop, rank 0
     checkpoints the update it finished (no periodic checkpoint is due: save_every is large)."""
-    from ppokit.checkpoint import load_checkpoint
+    from ppokit.runtime.checkpoint import load_checkpoint
 
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ppokit",
@@ -539,15 +539,15 @@ def test_bench_distributed_smoke():
     assert "| 1 rank | " in proc.stdout and "1.00x / 1.00x" in proc.stdout
 
 
-# ---------------------------------------------------------------------- the --nproc launcher (ppokit.launcher)
+# ---------------------------------------------------------------------- the --nproc launcher (ppokit.runtime.launcher)
 def _proc_children(pid: int) -> list[int]:
-    from ppokit.launcher import _children
+    from ppokit.runtime.launcher import _children
 
     return sorted(_children(pid))
 
 
 def _alive(pids: list[int]) -> list[int]:
-    from ppokit.launcher import _start_time
+    from ppokit.runtime.launcher import _start_time
 
     return [p for p in pids if _start_time(p) is not None]
 
@@ -591,9 +591,9 @@ def test_a_signal_to_the_nproc_launcher_stops_every_rank_after_a_checkpoint(sig,
     """SIGINT (Ctrl-C) or SIGTERM to ``ppokit train --nproc 2``: torchrun and both ranks are gone when it exits
     with 130 / 143, rank 0 saved the update it finished (save_every is large: only the stop saves), and the
     metrics stop growing."""
-    from ppokit.checkpoint import load_checkpoint
+    from ppokit.runtime.checkpoint import load_checkpoint
 
-    from ppokit.launcher import SHUTDOWN_S
+    from ppokit.runtime.launcher import SHUTDOWN_S
 
     launcher, agent, ranks = _nproc_run(tmp_path)
     try:
@@ -616,7 +616,7 @@ def test_a_signal_to_the_nproc_launcher_stops_every_rank_after_a_checkpoint(sig,
 
 def test_kill_9_of_the_nproc_launcher_leaves_no_rank_or_torchrun_behind(tmp_path):
     """The launcher's pipe closes with it: torchrun stops its ranks as for SIGTERM (rank 0 saves)."""
-    from ppokit.checkpoint import load_checkpoint
+    from ppokit.runtime.checkpoint import load_checkpoint
 
     launcher, agent, ranks = _nproc_run(tmp_path)
     try:
@@ -647,7 +647,7 @@ def test_kill_9_of_one_rank_under_nproc_is_one_line_naming_it(tmp_path):
 
 
 def test_the_failure_line_names_the_lost_rank_and_how_it_ended():
-    from ppokit.launcher import describe_failures
+    from ppokit.runtime.launcher import describe_failures
 
     # torchrun's SIGTERM to the survivor is its stop, not the news; exit codes 1 and 2 said their own line.
     assert describe_failures({0: -15, 1: -9}, 2) == ("rank 1 of 2 was killed by SIGKILL (signal 9); the other ranks were "

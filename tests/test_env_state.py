@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.checkpoint import load_checkpoint, save_checkpoint
-from ppokit.config import PPOConfig
+from ppokit.runtime.checkpoint import load_checkpoint, save_checkpoint
+from ppokit.config.ppo_config import PPOConfig
 from ppokit.envs.state import capture_env_state, restore_env_state
-from ppokit.trainer import CHECKPOINT_NAME, resume, train
+from ppokit.training.trainer import CHECKPOINT_NAME, resume, train
 
 torch.set_num_threads(1)
 
@@ -160,7 +160,7 @@ def test_every_gymnasium_env_round_trips_through_a_checkpoint(tmp_path, env_id, 
 
 
 def test_mountaincar_train_finishes_with_checkpoint_and_curves(tmp_path):
-    from ppokit.cli import main
+    from ppokit.cli.main import main
 
     run_dir = tmp_path / "mc"
     rc = main(["train", "--env", "MountainCar-v0", "--total-timesteps", "2048", "--run-dir", str(run_dir),

@@ -28,7 +28,7 @@ from ppokit.lm.prompts import PromptSource, load_prompts  # noqa: E402
 from ppokit.lm.rewards import make_reward  # noqa: E402
 from ppokit.lm.rollout import place_scores, sample  # noqa: E402
 from ppokit.lm.tiny import build_tiny  # noqa: E402
-from ppokit.objectives import approx_kl_k3  # noqa: E402
+from ppokit.core.objectives import approx_kl_k3  # noqa: E402
 
 EOS = 1  # tiny.build_char_tokenizer: ids 0, 1, 2 are pad, eos, unk
 
@@ -313,8 +313,8 @@ def test_import_ppokit_lm_and_lmconfig_load_no_transformers(tmp_path):
 
 # ---------------------------------------------------------------- live LM alerts
 def test_live_lm_alerts_fire_on_runaway_kl_and_on_sustained_zero_std_groups():
-    from ppokit import schema as S
-    from ppokit.doctor_lm import KL_REF_RUNAWAY, ZERO_STD_FRAC
+    from ppokit.core import schema as S
+    from ppokit.analysis.doctor_lm import KL_REF_RUNAWAY, ZERO_STD_FRAC
     from ppokit.lm.alerts import LMAlerts
 
     alerts = LMAlerts("beta", cooldown=10)

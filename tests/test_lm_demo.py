@@ -97,7 +97,7 @@ def test_a_second_demo_run_rewrites_its_run_dirs(tmp_path):
 # ---------------------------------------------------------------- the whole demo (one run, several checks)
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    from ppokit.cli import main
+    from ppokit.cli.main import main
 
     out = tmp_path_factory.mktemp("lm_demo")
     assert main(["lm", "demo", "--seed", "1", "--json", str(out / "demo.json"), "--out", str(out / "runs"),
@@ -143,7 +143,7 @@ def test_demo_dpo_raises_preference_accuracy(demo_run):
 
 @pytest.mark.slow
 def test_doctor_finds_the_demo_runs_healthy(demo_run):
-    from ppokit.doctor import diagnose
+    from ppokit.analysis.doctor import diagnose
 
     out, _ = demo_run
     for stage in ("ppo", "grpo", "dpo"):

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 
-from ppokit.checkpoint import load_checkpoint  # noqa: E402
+from ppokit.runtime.checkpoint import load_checkpoint  # noqa: E402
 from ppokit.lm import GRPOTrainer, LMConfig  # noqa: E402
 from ppokit.lm.rewards import RewardError  # noqa: E402
 from ppokit.lm.tiny import build_tiny, save_tiny  # noqa: E402
@@ -61,7 +61,7 @@ def workdir(tmp_path):
 def in_process(workdir, monkeypatch, capsys):
     """``ppokit lm ARGS`` run by ``cli.main`` in this process, in ``workdir``, with the env vars given:
     ``(exit code, stdout, stderr)``."""
-    from ppokit.cli import main
+    from ppokit.cli.main import main
 
     monkeypatch.chdir(workdir)
 

@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 
 import torch  # noqa: E402
 
-from ppokit.config import ConfigError  # noqa: E402
+from ppokit.config.ppo_config import ConfigError  # noqa: E402
 from ppokit.lm import GRPOTrainer, LMConfig  # noqa: E402
 from ppokit.lm.generation import HFGenerator, SamplingSettings  # noqa: E402
 from ppokit.lm.fast_gpt2 import gpt2_decoder  # noqa: E402

@@ -1,4 +1,4 @@
-"""Reference tests for ``ppokit.objectives``: every expected number is computed by hand (in the comments) or by a
+"""Reference tests for ``ppokit.core.objectives``: every expected number is computed by hand (in the comments) or by a
 brute-force loop / an independent library path (``torch.distributions``) written here, never by the function
 under test."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ppokit.objectives import (
+from ppokit.core.objectives import (
     approx_kl_k1,
     approx_kl_k3,
     categorical_entropy,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppokit.config import ConfigError, PPOConfig
-from ppokit.trainer import PERF_PHASES, Trainer, train
+from ppokit.config.ppo_config import ConfigError, PPOConfig
+from ppokit.training.trainer import PERF_PHASES, Trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,9 +79,10 @@ def test_rollout_records_every_finished_episode(tmp_path):
 
 def test_fused_update_is_faster_than_autograd():
     """Same work, interleaved timing: the fused path must take well under the autograd path's time."""
-    from ppokit.fused import FlatAdam, fused_ppo_update
+    from ppokit.kernels.flat_adam import FlatAdam
+    from ppokit.kernels.fused_step import fused_ppo_update
     from ppokit.policies import ActorCritic
-    from ppokit.update import Batch, UpdateSettings, ppo_update
+    from ppokit.update.autograd import Batch, UpdateSettings, ppo_update
 
     torch.manual_seed(0)
     pol = ActorCritic(4, "discrete", [2], [64, 64], "tanh")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.cli import main
-from ppokit import plots
+from ppokit.cli.main import main
+from ppokit.diagnostics import plots
 
 BAD_TEXT = r"$\undefinedmacro{x$"
 

@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppokit import rundir
-from ppokit.checkpoint import load_checkpoint
-from ppokit.cli import main
-from ppokit.config import PPOConfig, load_preset
-from ppokit.rundir import LOCK_NAME, RunDirError
-from ppokit.trainer import Trainer, _install_sigint, resume, train
+from ppokit.runtime import rundir
+from ppokit.runtime.checkpoint import load_checkpoint
+from ppokit.cli.main import main
+from ppokit.config.ppo_config import PPOConfig, load_preset
+from ppokit.runtime.rundir import LOCK_NAME, RunDirError
+from ppokit.training.trainer import Trainer, _install_sigint, resume, train
 
 torch.set_num_threads(1)
 
@@ -62,7 +62,7 @@ def alert_names(run_dir: Path) -> list[str]:
 
 def start_train(run_dir: Path, *flags: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    return subprocess.Popen([sys.executable, "-m", "ppokit.cli", "train", *TINY, "--run-dir", str(run_dir), *flags],
+    return subprocess.Popen([sys.executable, "-m", "ppokit.cli.main", "train", *TINY, "--run-dir", str(run_dir), *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -330,8 +330,8 @@ def test_hyperparameters_are_written_to_tensorboard_once(tmp_path):
 
 
 def test_default_run_dir_names_have_no_colon_or_slash():
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import default_run_dir
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import default_run_dir
 
     for env_id in ("mymod:MyEnv-v0", "custom:MyEnv", "ALE/Pong-v5"):
         name = default_run_dir(PPOConfig(env_id=env_id)).name

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from ppokit import schema as S
-from ppokit.schema import METRICS, THRESHOLDS
+from ppokit.core import schema as S
+from ppokit.core.schema import METRICS, THRESHOLDS
 
-SRC = Path(S.__file__).resolve().parent
+SRC = Path(S.__file__).resolve().parents[1]  # the ppokit package
 PREFIXES = ("charts/", "losses/", "diag/", "perf/")
 # Modules whose metric names and thresholds all come from the schema (no literal at all).
-FROM_SCHEMA_ONLY = ("monitor.py", "doctor.py", "plots.py", "report.py", "experiments.py", "planner.py")
+FROM_SCHEMA_ONLY = ("diagnostics/monitor.py", "analysis/doctor.py", "diagnostics/plots.py", "analysis/report.py",
+                    "analysis/experiments.py", "config/planner.py")
 
 
 def _metric_literals(path: Path) -> list[tuple[int, str]]:
@@ -27,8 +28,8 @@ def _metric_literals(path: Path) -> list[tuple[int, str]]:
 
 
 def test_every_logged_metric_is_in_the_schema(tmp_path):
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import PERF_PHASES, train
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import PERF_PHASES, train
 
     cfg = PPOConfig(env_id="CartPole-v1", total_timesteps=2 * 512, tensorboard=False, eval_every=1,
                     eval_episodes=1, eval_threshold=1e9, run_dir=str(tmp_path / "run"))
@@ -52,7 +53,11 @@ def test_thresholds_are_the_lessons_numbers():
 
 
 def test_modules_share_one_copy_of_each_threshold():
-    from ppokit import epochs, experiments, monitor, planner, plots
+    from ppokit.update import epochs
+    from ppokit.analysis import experiments
+    from ppokit.diagnostics import monitor
+    from ppokit.config import planner
+    from ppokit.diagnostics import plots
 
     assert monitor.THRESHOLDS is THRESHOLDS and planner.THRESHOLDS is THRESHOLDS
     assert (plots.KL_WARN, plots.KL_ALARM, plots.CLIPFRAC_BAND) == (S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HEALTHY)
@@ -63,22 +68,22 @@ def test_modules_share_one_copy_of_each_threshold():
 
 def test_a_changed_threshold_reaches_the_diagnostics_plan(monkeypatch):
     # The planner's table is read from THRESHOLDS, not typed: change the number, the text follows.
-    from ppokit.planner import diagnostics_plan
+    from ppokit.config.planner import diagnostics_plan
 
     monkeypatch.setitem(THRESHOLDS, "kl_alert", 0.123)
     kl_row = next(r for r in diagnostics_plan() if r["metric"] == S.APPROX_KL)
     assert "0.123" in kl_row["alert"] and "0.1," not in kl_row["alert"]
 
 
-@pytest.mark.parametrize("module", sorted(p.name for p in SRC.rglob("*.py")))
+@pytest.mark.parametrize("module", sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")))
 def test_no_module_invents_a_metric_name(module):
-    path = next(SRC.rglob(module))
-    if path.name == "schema.py":
+    path = SRC / module
+    if module == "core/schema.py":
         return
     found = _metric_literals(path)
-    if path.name in FROM_SCHEMA_ONLY:
-        assert found == [], f"{module} types metric names; import them from ppokit.schema: {found}"
-    elif path.name != "logger.py":  # the console also accepts other trainers' spellings (aliases)
+    if module in FROM_SCHEMA_ONLY:
+        assert found == [], f"{module} types metric names; import them from ppokit.core.schema: {found}"
+    elif module != "runtime/logger.py":  # the console also accepts other trainers' spellings (aliases)
         unknown = [(line, name) for line, name in found if name not in METRICS]
         assert unknown == [], f"{module} logs or reads names the schema does not define: {unknown}"
 
@@ -86,7 +91,7 @@ def test_no_module_invents_a_metric_name(module):
 def test_from_schema_only_modules_type_no_threshold():
     # The lessons' numbers (0.02, 0.1, 0.4, 1.5) are the schema's; a literal of them elsewhere is a second copy.
     lessons = {S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HIGH, S.KL_STOP_FACTOR}
-    for name in ("monitor.py", "doctor.py", "report.py"):
+    for name in ("diagnostics/monitor.py", "analysis/doctor.py", "analysis/report.py"):
         tree = ast.parse((SRC / name).read_text())
         nums = [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
                 and isinstance(n.value, float) and not isinstance(n.value, bool)

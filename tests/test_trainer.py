@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.advantages import normalize
-from ppokit.agent import evaluate, load
-from ppokit.checkpoint import CheckpointError, load_checkpoint
-from ppokit.config import ConfigError, PPOConfig, load_preset
+from ppokit.core.advantages import normalize
+from ppokit.training.agent import evaluate, load
+from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 from ppokit.envs import GridWorldEnv
-from ppokit.trainer import CHECKPOINT_NAME, Trainer, resume, train
-from ppokit.update import Batch, UpdateSettings, ppo_update
+from ppokit.training.trainer import CHECKPOINT_NAME, Trainer, resume, train
+from ppokit.update.autograd import Batch, UpdateSettings, ppo_update
 
 torch.set_num_threads(1)
 
@@ -475,7 +475,7 @@ def test_user_registered_env_trains_through_the_python_api(tmp_path):
 
 # ------------------------------------------------------------------ CLI
 def test_cli_train_with_flags_and_toml_then_eval(tmp_path, capsys):
-    from ppokit.cli import main
+    from ppokit.cli.main import main
 
     toml = tmp_path / "c.toml"
     toml.write_text('env_id = "ppokit/GridWorld-v0"\nnum_envs = 4\nnum_steps = 32\nupdate_epochs = 2\n')
@@ -490,7 +490,7 @@ def test_cli_train_with_flags_and_toml_then_eval(tmp_path, capsys):
 
 
 def test_cli_env_alias_and_config_errors(tmp_path, capsys):
-    from ppokit.cli import main
+    from ppokit.cli.main import main
 
     rc = main(["train", "--env", "ppokit/GridWorld-v0", "--gamma", "2", "--run-dir", str(tmp_path / "x"), "--quiet"])
     assert rc == 2
@@ -501,8 +501,8 @@ def test_cli_env_alias_and_config_errors(tmp_path, capsys):
 
 
 def test_bare_train_uses_the_cartpole_preset():
-    from ppokit.cli import build_parser
-    from ppokit.commands.train import config_from_args
+    from ppokit.cli.main import build_parser
+    from ppokit.cli.train import config_from_args
 
     args = build_parser().parse_args(["train"])
     assert config_from_args(args) == load_preset("cartpole")
@@ -512,7 +512,7 @@ def test_bare_train_uses_the_cartpole_preset():
 
 @pytest.mark.slow
 def test_cli_eval_records_videos(tmp_path, capsys):
-    from ppokit.cli import main
+    from ppokit.cli.main import main
 
     run = train(small_gridworld(tmp_path, total_timesteps=512), console_enabled=False)
     video_dir = tmp_path / "videos"
@@ -560,7 +560,7 @@ def test_async_vector_mode_trains(tmp_path):
 
 @pytest.mark.slow
 def test_cli_resume_continues_the_run_to_a_new_total(tmp_path):
-    from ppokit.cli import main
+    from ppokit.cli.main import main
 
     run_dir = tmp_path / "res"
     assert main(["train", "--preset", "gridworld", "--total-timesteps", "512", "--run-dir", str(run_dir),

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import ppokit.trainer as trainer_mod
-from ppokit.config import PPOConfig, load_preset
-from ppokit.trainer import Trainer, train
+import ppokit.training.trainer as trainer_mod
+from ppokit.config.ppo_config import PPOConfig, load_preset
+from ppokit.training.trainer import Trainer, train
 
 torch.set_num_threads(1)
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-import ppokit.trainer as trainer_mod
-import ppokit.update as update_mod
-from ppokit.config import load_preset
+import ppokit.training.trainer as trainer_mod
+import ppokit.update.autograd as update_mod
+from ppokit.config.ppo_config import load_preset
 from ppokit.envs import GridWorldEnv
 from ppokit.policies import ActorCritic
-from ppokit.trainer import Trainer, adapt_kl_beta, train
-from ppokit.update import Batch, UpdateSettings, minibatch_loss
+from ppokit.training.trainer import Trainer, adapt_kl_beta, train
+from ppokit.update.autograd import Batch, UpdateSettings, minibatch_loss
 
 
 # ---------------------------------------------------------------------------- the beta rule
@@ -271,7 +271,7 @@ def test_a2c_logs_the_kl_its_step_moved_the_policy_and_compare_summarizes_that(t
     """A2C's only step is taken at ratio 1, so its per-minibatch ``diag/approx_kl`` is 0 on every update;
     ``diag/approx_kl_after`` (k3 of the updated policy vs pi_old on the whole batch) is what it moved, and the
     compare/sweep summary's max KL and 'KL > 0.1' are read from it."""
-    from ppokit import experiments as ex
+    from ppokit.analysis import experiments as ex
 
     cfg = _tiny_config(tmp_path, "a2c", updates=3)
     run = train(cfg, console_enabled=False)

@@ -2,9 +2,9 @@
 
 One dataclass for the three trainers (a field a trainer does not use is ignored by it: ``beta`` by PPO, the value
 fields by GRPO and DPO). Each field's ``help`` is its documentation (and the CLI's ``--help`` line). ``validate``
-raises ``ppokit.config.ConfigError`` naming the first invalid field and the reason, before any model is touched.
+raises ``ppokit.config.ppo_config.ConfigError`` naming the first invalid field and the reason, before any model is touched.
 
-The guard rails are the Gymnasium trainer's (``ppokit.config.SAFE_LIMITS``): more than 30 epochs over a rollout or
+The guard rails are the Gymnasium trainer's (``ppokit.config.ppo_config.SAFE_LIMITS``): more than 30 epochs over a rollout or
 a clip range above 0.3 is refused, and so is PPO without advantage whitening or without KL / clip-fraction
 monitoring, unless ``unsafe=True`` (an ablation, stamped as such in the run's config).
 """
@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SAFE_LIMITS, ConfigError
-from ..reductions import REDUCTION_MODES
-from ..schema import KL_STOP_FACTOR
+from ppokit.config.ppo_config import SAFE_LIMITS, ConfigError
+from ppokit.core.reductions import REDUCTION_MODES
+from ppokit.core.schema import KL_STOP_FACTOR
 
 __all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
 
@@ -62,7 +62,7 @@ class LMConfig:
                                  "(none: never)")
     loss_reduction: str = _f("token_mean", "how per-token losses become one scalar: "
                              + ", ".join(m for m in REDUCTION_MODES if m != "mean")
-                             + " (see ppokit.reductions.reduce)")
+                             + " (see ppokit.core.reductions.reduce)")
     ent_coef: float = _f(0.0, "entropy bonus coefficient, >= 0")
     whiten_advantages: bool = _f(True, "PPO: whiten the advantages over the rollout's response tokens (required "
                                  "unless unsafe)")
@@ -152,7 +152,7 @@ class LMConfig:
         need(self.num_minibatches <= self.rollout_size, "num_minibatches",
              f"{self.num_minibatches} minibatches cannot split {self.rollout_size} completions (batch_prompts * "
              f"group_size); use at most {self.rollout_size}")
-        from ..resources import check_device
+        from ppokit.config.resources import check_device
 
         check_device(self.device)
         if not self.unsafe:

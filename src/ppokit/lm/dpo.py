@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import schema as S
-from .base import LMTrainer
-from .checks import check_pairs_context
-from .logprobs import token_logprobs
-from .rollout import encode_prompts
+from ppokit.core import schema as S
+from ppokit.lm.base import LMTrainer
+from ppokit.lm.checks import check_pairs_context
+from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.rollout import encode_prompts
 
 __all__ = ["DPOTrainer", "dpo_loss", "encode_pairs"]
 

@@ -23,16 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import schema as S
-from ..advantages import SPREAD_ULPS
-from ..epochs import UpdateSettings, ppo_epochs
-from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate
-from ..reductions import reduce
-from .base import LMTrainer, adamw
-from .config import ConfigError, LMConfig
-from .logprobs import kl_per_token, token_logprobs
-from .rollout import TokenBatch
-from .step import TokenStep
+from ppokit.core import schema as S
+from ppokit.core.advantages import SPREAD_ULPS
+from ppokit.update.epochs import UpdateSettings, ppo_epochs
+from ppokit.core.objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate
+from ppokit.core.reductions import reduce
+from ppokit.lm.base import LMTrainer, adamw
+from ppokit.lm.config import ConfigError, LMConfig
+from ppokit.lm.logprobs import kl_per_token, token_logprobs
+from ppokit.lm.rollout import TokenBatch
+from ppokit.lm.step import TokenStep
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 

@@ -27,16 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import schema as S
-from ..advantages import gae, normalize
-from ..epochs import UpdateSettings, ppo_epochs
-from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate, explained_variance, value_loss
-from ..reductions import reduce
-from .base import LMTrainer, adamw, masked_stats
-from .kernels import fuse_activations
-from .logprobs import kl_per_token, position_ids, token_logprobs
-from .rollout import TokenBatch, place_scores
-from .step import TokenStep
+from ppokit.core import schema as S
+from ppokit.core.advantages import gae, normalize
+from ppokit.update.epochs import UpdateSettings, ppo_epochs
+from ppokit.core.objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate, explained_variance, value_loss
+from ppokit.core.reductions import reduce
+from ppokit.lm.base import LMTrainer, adamw, masked_stats
+from ppokit.lm.kernels import fuse_activations
+from ppokit.lm.logprobs import kl_per_token, position_ids, token_logprobs
+from ppokit.lm.rollout import TokenBatch, place_scores
+from ppokit.lm.step import TokenStep
 
 __all__ = ["PPOTrainer", "ValueModel", "default_value_model", "rlhf_rewards", "token_advantages", "adaptive_kl_coef"]
 
@@ -123,7 +123,7 @@ class PPOTrainer(LMTrainer):
         cfg = self.config
         self.value_model = (value_model if value_model is not None else default_value_model(self.policy))
         self.value_model.to(self.device)
-        from .base import disable_dropout
+        from ppokit.lm.base import disable_dropout
 
         disable_dropout(self.value_model)
         if cfg.fused_activations:
