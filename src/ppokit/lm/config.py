@@ -63,6 +63,8 @@ class LMConfig:
     loss_reduction: str = _f("token_mean", "how per-token losses become one scalar: "
                              + ", ".join(m for m in REDUCTION_MODES if m != "mean")
                              + " (see ppokit.core.reductions.reduce)")
+    policy_loss: str = _f("ppo", "PPO and GRPO: the policy loss, a name registered in ppokit.lm.losses (ppo: the "
+                          "clipped surrogate, with GRPO's beta * k3 KL to pi_ref); DPO always uses dpo")
     ent_coef: float = _f(0.0, "entropy bonus coefficient, >= 0")
     whiten_advantages: bool = _f(True, "PPO: whiten the advantages over the rollout's response tokens (required "
                                  "unless unsafe)")
@@ -147,6 +149,11 @@ class LMConfig:
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
              f"must be one of {', '.join(SCALE_REWARDS)}, got {self.scale_rewards!r}")
+        from ppokit.lm.losses import LOSSES  # torch, so not at import: the CLI's --help stays light
+
+        token_losses = sorted(n for n in LOSSES if n != "dpo")
+        need(self.policy_loss in token_losses, "policy_loss",
+             f"must be one of {', '.join(token_losses)} (ppokit.lm.losses), got {self.policy_loss!r}")
         need(self.loss_reduction in REDUCTION_MODES and self.loss_reduction != "mean", "loss_reduction",
              f"must be one of {', '.join(m for m in REDUCTION_MODES if m != 'mean')}, got {self.loss_reduction!r}")
         need(self.num_minibatches <= self.rollout_size, "num_minibatches",

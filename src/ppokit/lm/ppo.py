@@ -30,11 +30,12 @@ from torch import Tensor, nn
 from ppokit.core import schema as S
 from ppokit.core.advantages import gae, normalize
 from ppokit.update.epochs import UpdateSettings, ppo_epochs
-from ppokit.core.objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate, explained_variance, value_loss
+from ppokit.core.objectives import explained_variance, value_loss
 from ppokit.core.reductions import reduce
 from ppokit.lm.base import LMTrainer, adamw, masked_stats
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import kl_per_token, position_ids, token_logprobs
+from ppokit.lm.losses import get_loss, settings_for
 from ppokit.lm.rollout import TokenBatch, place_scores
 from ppokit.lm.step import TokenStep
 
@@ -167,24 +168,19 @@ class PPOTrainer(LMTrainer):
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
                                            with_entropy=True)
-        # Padding positions take pi_old's value: ratio exactly 1 there and no gradient through them (``where``).
-        logp_new = torch.where(mask, logp_new, mb.logp_old)
+        # The KL to pi_ref is in the reward (``rlhf_rewards``), so the policy loss gets no reference term.
+        loss_policy, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, None, mb.advantages, mask,
+                                                       settings_for(cfg, beta=0.0))
+        # Padding positions keep the rollout's value: no gradient through them (``where``).
         values = torch.where(mask, response_values(self.value_model, mb.input_ids, mb.attention_mask, R),
                              mb.values)
-        surrogate = clipped_surrogate(logp_new, mb.logp_old, mb.advantages, cfg.clip_coef)
-        loss_policy = -reduce(surrogate, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
         loss_value = value_loss(values, mb.returns, mb.values, cfg.cliprange_value, mask=mask, mode="token_mean")
         loss = loss_policy + cfg.vf_coef * loss_value
         if cfg.ent_coef > 0:  # at 0 the entropy stays out of the graph: the backward skips it (same gradient)
             loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
             loss = loss + cfg.ent_coef * loss_entropy
-        with torch.no_grad():
-            lp = logp_new.detach()
-            stats = {"policy_loss": loss_policy.detach(), "value_loss": loss_value.detach(),
-                     "entropy": reduce(entropy.detach(), mask, "token_mean"),
-                     "approx_kl": approx_kl_k3(lp, mb.logp_old, mask, "token_mean"),
-                     "approx_kl_k1": approx_kl_k1(lp, mb.logp_old, mask, "token_mean"),
-                     "clipfrac": clip_fraction((lp - mb.logp_old).exp(), cfg.clip_coef, mask, "token_mean")}
+        stats["value_loss"] = loss_value.detach()
+        stats["entropy"] = reduce(entropy.detach(), mask, "token_mean")
         return loss, stats
 
     def step(self) -> dict[str, float]:
