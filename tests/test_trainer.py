@@ -333,6 +333,15 @@ def test_loaded_agent_acts_identically_to_the_trained_policy(tmp_path):
     np.testing.assert_array_equal(agent.act(obs), expected)
     np.testing.assert_allclose(agent.value(obs), expected_v, rtol=1e-6)
     assert agent.act(obs[3]) == expected[3]  # one observation in, one action out
+    # SB3's shape: (actions, state); a feed-forward policy hands the state back untouched.
+    actions, state = agent.predict(obs, state=None, episode_start=np.ones(16, bool), deterministic=True)
+    np.testing.assert_array_equal(actions, expected)
+    assert state is None
+    torch.manual_seed(0)
+    sampled, _ = agent.predict(np.repeat(obs[:1], 2000, axis=0))  # deterministic=False by default, as in SB3
+    torch.manual_seed(0)
+    assert np.array_equal(sampled, agent.act(np.repeat(obs[:1], 2000, axis=0), deterministic=False))
+    assert len(set(sampled.tolist())) > 1  # a fresh 4-action policy samples more than one action
 
 
 def _metric_rows(path):

@@ -98,6 +98,14 @@ class Agent:
             actions = np.clip(actions, self.action_low, self.action_high)
         return actions[0] if single else actions
 
+    def predict(self, obs: Any, state: Any = None, episode_start: Any = None, deterministic: bool = False,
+                action_mask: Any = None) -> tuple[np.ndarray, Any]:
+        """``(actions, state)`` in Stable-Baselines3's shape (``model.predict(obs, state, episode_start,
+        deterministic)``), so SB3 evaluation loops run unchanged. A feed-forward policy has no recurrent state: it
+        returns ``state`` as given (None) and ignores ``episode_start``. Unlike ``act``, ``deterministic`` defaults
+        to False, as in SB3."""
+        return self.act(obs, deterministic=deterministic, action_mask=action_mask), state
+
     def value(self, obs: Any) -> np.ndarray | float:
         """V(obs) for one observation (a float) or a batch (``[B]`` array)."""
         x, single = self._obs(obs)
