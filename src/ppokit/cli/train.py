@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # A second Ctrl-C (the first one finishes the update and saves), or one before training started: any
         # checkpoint already written is intact (writes are atomic).
-        say.print("interrupted by Ctrl-C; any checkpoint already in the run dir is intact", highlight=False)
+        say.print("aborted by Ctrl-C; any checkpoint already in the run dir is intact", highlight=False)
         return 130
     finally:
         if launched:

@@ -277,7 +277,10 @@ def _check_own_env(policy: ActorCritic, config: PPOConfig, spaces: Any, path: Pa
             return np.asarray(env.action_space.low), np.asarray(env.action_space.high)
         return None, None
     finally:
-        env.close()
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - this env was built only to read its spaces; evaluate() reports a close
+            pass           # that raises on the env it steps (one warning naming it)
 
 
 def _custom(env: Any, env_id: str | None) -> tuple[str | None, Any]:
