@@ -213,7 +213,7 @@ JOIN_SCRIPT = '''
 import os, sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from ppokit import shm_reduce
+from ppokit.runtime import shm_reduce
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 rank = dist.get_rank()
 pids = [None, None]

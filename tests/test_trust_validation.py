@@ -298,7 +298,7 @@ def test_the_trainer_counts_the_real_network_before_building_it(tmp_path):
                               "vec": gym.spaces.Box(-1, 1, (5,), np.float32)}), gym.spaces.MultiDiscrete([3, 4])),
 ])
 def test_the_parameter_count_is_the_built_policys(make_spaces):
-    from ppokit.policies.actor_critic import build_policy
+    from ppokit.policies import build_policy
     from ppokit.policies.build import policy_parameters
 
     obs_space, act_space = make_spaces()

@@ -293,8 +293,15 @@ def orphan_proof_worker(index: int, env_fn: Any, pipe: Any, parent_pipe: Any, sh
     except Exception as exc:  # noqa: BLE001 - the worker's last act, env.close(), raised
         name = _env_name(made[0]) if made else "?"
         message = " ".join(str(exc).split()) or "(no message)"
-        print(f"warning: env {name!r} (env index {index}) failed in close(): raised {type(exc).__name__}: "
-              f"{message}", file=sys.stderr, flush=True)
+        # One write of the whole line: the workers close at the same time, and print's separate writes of the
+        # text and its newline interleave across processes (two warnings ran together on one line).
+        line = (f"warning: env {name!r} (env index {index}) failed in close(): raised {type(exc).__name__}: "
+                f"{message}\n")
+        try:
+            sys.stderr.flush()
+            os.write(sys.stderr.fileno(), line.encode(errors="replace"))
+        except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
+            print(line, end="", file=sys.stderr, flush=True)
 
 
 def _env_name(env: Any) -> str:
