@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
 import torch  # noqa: E402
+
+import _common as C  # noqa: E402
 
 
 def load_fused(path: str | None):

@@ -28,9 +28,9 @@ import _common as C  # noqa: E402,F401  (one torch thread)
 def measure(env_id: str, reps: int, host_path: bool, one_env: bool = True) -> dict[str, float]:
     import torch
 
+    from ppokit.config.ppo_config import load_preset
     from ppokit.rollout import hostnorm
     from ppokit.rollout.collector import Collector
-    from ppokit.config.ppo_config import load_preset
     from ppokit.training.trainer import Trainer
 
     applies = hostnorm.HostNormalizers.applies

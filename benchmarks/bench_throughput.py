@@ -25,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
+
+import _common as C  # noqa: E402
 
 
 def raw_env_sps(num_envs: int, steps: int) -> float:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ppokit.kernels.acting import ActingKernel
-from ppokit.update.epochs import Batch
 from ppokit.policies import ActorCritic
 from ppokit.update.autograd import UpdateSettings, ppo_update
+from ppokit.update.epochs import Batch
 
 
 @pytest.mark.parametrize("kind", ["discrete", "continuous"])

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import ppokit.core.algos as algos_mod
-from ppokit.core.algos import ALGOS, TERM_NAMES, Algo, describe_algos, get_algo, loss_terms, register
 from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
-from ppokit.update.epochs import UpdateSettings
-
-from test_variants import _tiny_config as _variants_tiny_config  # the gridworld preset cut to a few updates
+from ppokit.core.algos import ALGOS, TERM_NAMES, Algo, describe_algos, get_algo, loss_terms, register
 from ppokit.kernels.mlp_backward import supports, unsupported_reason
 from ppokit.policies import ActorCritic
 from ppokit.training.trainer import Trainer, train
+from ppokit.update.epochs import UpdateSettings
+from test_variants import _tiny_config as _variants_tiny_config  # the gridworld preset cut to a few updates
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ppokit"
 

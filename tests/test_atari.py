@@ -176,8 +176,8 @@ def test_a_short_atari_run_trains_on_uint8_frames_and_evaluates_the_game_score(t
     import torch
 
     import ppokit
-    from ppokit.core import schema as S
     from ppokit.config.ppo_config import load_preset
+    from ppokit.core import schema as S
     from ppokit.training.trainer import Trainer
 
     cfg = load_preset("atari")

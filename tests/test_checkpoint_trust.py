@@ -18,14 +18,14 @@ import pytest
 import torch
 
 import ppokit
+from ppokit.cli.main import main
+from ppokit.config.ppo_config import PPOConfig
 from ppokit.runtime.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     load_checkpoint,
     save_checkpoint,
 )
-from ppokit.cli.main import main
-from ppokit.config.ppo_config import PPOConfig
 from ppokit.training.trainer import CHECKPOINT_NAME, resume, train
 
 torch.set_num_threads(1)

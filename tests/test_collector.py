@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.kernels.acting import ActingKernel
-from ppokit.rollout.collector import Collector
 from ppokit.config.ppo_config import PPOConfig
 from ppokit.envs import make_vec_env
 from ppokit.envs.errors import EnvError
+from ppokit.kernels.acting import ActingKernel
 from ppokit.policies import build_policy
+from ppokit.rollout.collector import Collector
 from ppokit.training.trainer import Trainer
 
 torch.set_num_threads(1)

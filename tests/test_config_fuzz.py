@@ -419,8 +419,8 @@ def test_an_image_observation_is_counted_in_bytes_not_floats():
     import numpy as np
     import torch
 
-    from ppokit.envs.encoders import observation_encoder
     from ppokit.config.resources import layout_bytes
+    from ppokit.envs.encoders import observation_encoder
 
     frames = observation_encoder(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)).layout()
     assert layout_bytes(frames) == 4 * 84 * 84

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
 
-from ppokit.training.agent import evaluate, load
-from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint
 from ppokit.cli.main import main
 from ppokit.config.ppo_config import ConfigError, PPOConfig
 from ppokit.envs import make_vec_env
+from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint
+from ppokit.training.agent import evaluate, load
 from ppokit.training.trainer import Trainer, resume, train
 
 SMALL = dict(num_steps=16, num_minibatches=2, update_epochs=1, total_timesteps=64, tensorboard=False, log_every=1)

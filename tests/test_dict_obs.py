@@ -13,12 +13,12 @@ from gymnasium import spaces
 import ppokit
 from ppokit.cli.main import main
 from ppokit.config.ppo_config import load_preset
-from ppokit.envs.encoders import DictEncoder, ImageEncoder, OneHotEncoder, encoder_from_spec, observation_encoder
 from ppokit.envs import check_spaces
+from ppokit.envs.encoders import DictEncoder, ImageEncoder, OneHotEncoder, encoder_from_spec, observation_encoder
 from ppokit.envs.errors import EnvError, check_obs_batch
-from ppokit.update.epochs import Batch
 from ppokit.policies.encoder_networks import EncoderActorCritic
 from ppokit.training.trainer import Trainer
+from ppokit.update.epochs import Batch
 
 
 class _PixelsAndCue(gym.Env):

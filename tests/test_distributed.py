@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ppokit.rollout.normalize import RunningMeanStd
 from ppokit.runtime import distributed
 from ppokit.runtime.distributed import Dist, combine_moments
-from ppokit.rollout.normalize import RunningMeanStd
 
 # Seconds for any one launch: a few seconds each on an idle machine, but a bound, not a wait (every wait polls),
 # generous enough for a loaded machine (checked under taskset -c 0 beside a busy loop).
@@ -167,8 +167,8 @@ def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
 
 
 def test_one_process_checkpoint_resumes_in_two_ranks(tmp_path):
-    from ppokit.cli.train import config_from_args
     from ppokit.cli.main import build_parser
+    from ppokit.cli.train import config_from_args
     from ppokit.training.trainer import train
 
     args = build_parser().parse_args(["train", *BASE, "--total-timesteps", "128"])
@@ -308,8 +308,8 @@ def test_env_and_torch_seeds_of_the_ranks_never_overlap():
 def test_a_rollout_backend_plugs_in_without_touching_the_learner(tmp_path):
     """``train(rollout=...)`` builds the rollout side from Collector's arguments: a backend that wraps the local
     Collector (standing in for remote workers) trains the same run, bit for bit, as the Collector itself."""
-    from ppokit.rollout.collector import Collector
     from ppokit.config.ppo_config import PPOConfig
+    from ppokit.rollout.collector import Collector
     from ppokit.training.trainer import train
 
     calls = []
@@ -592,7 +592,6 @@ def test_a_signal_to_the_nproc_launcher_stops_every_rank_after_a_checkpoint(sig,
     with 130 / 143, rank 0 saved the update it finished (save_every is large: only the stop saves), and the
     metrics stop growing."""
     from ppokit.runtime.checkpoint import load_checkpoint
-
     from ppokit.runtime.launcher import SHUTDOWN_S
 
     launcher, agent, ranks = _nproc_run(tmp_path)

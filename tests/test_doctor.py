@@ -10,9 +10,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
+from ppokit.analysis.doctor import diagnose
 from ppokit.cli.main import main
 from ppokit.config.ppo_config import PPOConfig, load_preset
-from ppokit.analysis.doctor import diagnose
 from ppokit.training.trainer import train
 
 ZERO_ID = "ppokit_test/ZeroRewardCartPole-v0"

@@ -12,8 +12,8 @@ from gymnasium import spaces
 import ppokit
 from ppokit.cli.main import main
 from ppokit.config.ppo_config import ConfigError, load_preset
-from ppokit.envs.encoders import BoxEncoder, OneHotEncoder, encoder_from_spec, observation_encoder
 from ppokit.envs import check_spaces
+from ppokit.envs.encoders import BoxEncoder, OneHotEncoder, encoder_from_spec, observation_encoder
 from ppokit.envs.errors import EnvError, check_obs_batch
 from ppokit.policies import build_policy
 from ppokit.training.trainer import Trainer, train

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from ppokit.update.epochs import STAT_NAMES, Batch, MinibatchResult, UpdateSettings, minibatch_sizes, ppo_epochs
 from ppokit.kernels.flat_adam import FlatAdam
 from ppokit.kernels.fused_step import FusedStep
 from ppokit.policies import ActorCritic
 from ppokit.update.autograd import AutogradStep
+from ppokit.update.epochs import STAT_NAMES, Batch, MinibatchResult, UpdateSettings, minibatch_sizes, ppo_epochs
 
 COUNTERS = ("minibatches", "skipped_minibatches", "epochs_run", "early_stopped")
 

@@ -239,8 +239,8 @@ def test_compare_writes_stability_and_beta(tmp_path):
 
 
 def test_clear_partial_takes_a_run_dir_killed_before_its_config_but_keeps_a_foreign_dir(tmp_path):
-    from ppokit.config.ppo_config import ConfigError
     from ppokit.analysis.experiments import _clear_partial
+    from ppokit.config.ppo_config import ConfigError
 
     killed = tmp_path / "killed"
     killed.mkdir()

@@ -8,12 +8,11 @@ import json
 import re
 
 import pytest
+import tomllib  # noqa: E402  (Python >= 3.11)
 
 import ppokit.diagnostics.plots
 from ppokit.cli.main import main
 from ppokit.config.ppo_config import PPOConfig
-
-import tomllib  # noqa: E402  (Python >= 3.11)
 
 # (flags, field, words the message must contain)
 RULES = [

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from ppokit.runtime.checkpoint import load_checkpoint
 from ppokit.cli.main import main
-from ppokit.envs.errors import EnvError
 from ppokit.diagnostics.plots import read_metrics
+from ppokit.envs.errors import EnvError
+from ppokit.runtime.checkpoint import load_checkpoint
 
 PREFIX = "ppokit_test/Hostile"
 

@@ -16,8 +16,8 @@ from ppokit.cli.main import main
 from ppokit.config.ppo_config import load_preset
 from ppokit.envs.encoders import BoxEncoder, ImageEncoder, image_layout, observation_encoder
 from ppokit.envs.errors import EnvError, check_obs_batch
-from ppokit.policies.encoder_networks import EncoderActorCritic, NatureCNN
 from ppokit.policies import build_policy
+from ppokit.policies.encoder_networks import EncoderActorCritic, NatureCNN
 from ppokit.training.trainer import Trainer
 
 

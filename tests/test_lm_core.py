@@ -17,19 +17,19 @@ pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from ppokit.core.objectives import approx_kl_k3  # noqa: E402
 from ppokit.lm import LMConfig  # noqa: E402
 from ppokit.lm.config import ConfigError  # noqa: E402
-from ppokit.lm.losses import LossSettings  # noqa: E402
-from ppokit.lm.losses import policy_loss_dpo as dpo_loss  # noqa: E402
 from ppokit.lm.generation import SamplingSettings  # noqa: E402
 from ppokit.lm.grpo import group_advantages  # noqa: E402
 from ppokit.lm.logprobs import kl_per_token, position_ids, response_mask  # noqa: E402
+from ppokit.lm.losses import LossSettings  # noqa: E402
+from ppokit.lm.losses import policy_loss_dpo as dpo_loss  # noqa: E402
 from ppokit.lm.ppo import adaptive_kl_coef, rlhf_rewards, token_advantages  # noqa: E402
 from ppokit.lm.prompts import PromptSource, load_prompts  # noqa: E402
 from ppokit.lm.rewards import make_reward  # noqa: E402
 from ppokit.lm.rollout import place_scores, sample  # noqa: E402
 from ppokit.lm.tiny import build_tiny  # noqa: E402
-from ppokit.core.objectives import approx_kl_k3  # noqa: E402
 
 EOS = 1  # tiny.build_char_tokenizer: ids 0, 1, 2 are pad, eos, unk
 
@@ -318,8 +318,8 @@ def test_import_ppokit_lm_and_lmconfig_load_no_transformers(tmp_path):
 
 # ---------------------------------------------------------------- live LM alerts
 def test_live_lm_alerts_fire_on_runaway_kl_and_on_sustained_zero_std_groups():
-    from ppokit.core import schema as S
     from ppokit.analysis.doctor_lm import KL_REF_RUNAWAY, ZERO_STD_FRAC
+    from ppokit.core import schema as S
     from ppokit.lm.alerts import LMAlerts
 
     alerts = LMAlerts("beta", cooldown=10)

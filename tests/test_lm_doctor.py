@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from ppokit.core import schema as S
-from ppokit.cli.main import main
 from ppokit.analysis.doctor import diagnose
+from ppokit.cli.main import main
+from ppokit.core import schema as S
 
 N = 40
 

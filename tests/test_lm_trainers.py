@@ -66,7 +66,6 @@ def _same(a: list[dict], b: list[dict]) -> bool:
 # ---------------------------------------------------------------- log-probs and positions
 def test_generation_logprobs_equal_recomputed_ones_with_left_padding_alone_and_in_a_batch(model, tok):
     torch.manual_seed(0)
-    settings = SamplingSettings(6, 0.7, tok.eos_token_id, tok.pad_token_id)
     prompts = ["X:", "ABXBA:", "B:"]
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, tok.pad_token_id, torch.device("cpu"))
     assert (prompt_mask == 0).any()  # the batch really is left-padded

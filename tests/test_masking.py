@@ -13,16 +13,16 @@ import pytest
 import torch
 
 import ppokit
-from ppokit.runtime.checkpoint import load_checkpoint
 from ppokit.cli.main import main
-from ppokit.rollout.collector import action_masks_available, read_action_masks
 from ppokit.config.ppo_config import PPOConfig, load_preset
-from ppokit.envs import GRIDWORLD_WALLS_ID, GridWorldWallsEnv
-from ppokit.update.epochs import ppo_epochs
 from ppokit.core.objectives import categorical_entropy
+from ppokit.envs import GRIDWORLD_WALLS_ID, GridWorldWallsEnv
 from ppokit.policies import ActorCritic, mask_logits
+from ppokit.rollout.collector import action_masks_available, read_action_masks
+from ppokit.runtime.checkpoint import load_checkpoint
 from ppokit.training.trainer import Trainer
 from ppokit.update.autograd import AutogradStep
+from ppokit.update.epochs import ppo_epochs
 
 
 def _policy(kind: str = "discrete", dims: tuple[int, ...] = (5,), seed: int = 0) -> ActorCritic:

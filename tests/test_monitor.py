@@ -265,8 +265,8 @@ def test_monitor_clipfrac_false_turns_the_clip_fraction_alerts_off():
 def test_monitoring_switched_off_in_the_config_reaches_a_real_run(tmp_path):
     # lr 0 on CartPole: clip_never_fires (alert) with monitoring on (the test above with lr 0). Off (only with
     # --unsafe), the run raises no clip-fraction alert; the guard rail still refuses it without --unsafe.
-    from ppokit.config.ppo_config import ConfigError, PPOConfig
     from ppokit.analysis.doctor import diagnose
+    from ppokit.config.ppo_config import ConfigError, PPOConfig
     from ppokit.training.trainer import train
 
     with pytest.raises(ConfigError, match="monitor_clipfrac"):

@@ -23,12 +23,20 @@ import torch
 from gymnasium import spaces
 
 import ppokit
-from ppokit.runtime import checkpoint as ckpt
 from ppokit.cli.main import main
 from ppokit.config.ppo_config import ConfigError, load_preset
+from ppokit.policies import (
+    ActorCritic,
+    Policy,
+    PolicySpecError,
+    build_policy,
+    policy_from_spec,
+    policy_types,
+    register_policy,
+)
 from ppokit.policies.encoder_networks import EncoderActorCritic
 from ppokit.rollout.normalize import ObsNormalizer, PartsObsNormalizer
-from ppokit.policies import ActorCritic, Policy, PolicySpecError, build_policy, policy_from_spec, policy_types, register_policy
+from ppokit.runtime import checkpoint as ckpt
 from ppokit.training.trainer import Trainer
 
 RELEASE = Path(__file__).resolve().parent / "data" / "release_58adec1"

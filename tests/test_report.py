@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
+from ppokit.analysis.report import CURVES, build_report
 from ppokit.cli.main import main
 from ppokit.config.ppo_config import load_preset
-from ppokit.analysis.report import CURVES, build_report
 from ppokit.training.trainer import train
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppokit.runtime import rundir
-from ppokit.runtime.checkpoint import load_checkpoint
 from ppokit.cli.main import main
 from ppokit.config.ppo_config import PPOConfig, load_preset
+from ppokit.runtime import rundir
+from ppokit.runtime.checkpoint import load_checkpoint
 from ppokit.runtime.rundir import LOCK_NAME, RunDirError
 from ppokit.training.trainer import Trainer, _install_sigint, resume, train
 

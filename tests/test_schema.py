@@ -53,11 +53,10 @@ def test_thresholds_are_the_lessons_numbers():
 
 
 def test_modules_share_one_copy_of_each_threshold():
-    from ppokit.update import epochs
     from ppokit.analysis import experiments
-    from ppokit.diagnostics import monitor
     from ppokit.config import planner
-    from ppokit.diagnostics import plots
+    from ppokit.diagnostics import monitor, plots
+    from ppokit.update import epochs
 
     assert monitor.THRESHOLDS is THRESHOLDS and planner.THRESHOLDS is THRESHOLDS
     assert (plots.KL_WARN, plots.KL_ALARM, plots.CLIPFRAC_BAND) == (S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HEALTHY)

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from ppokit.envs.factory import one_env_steppable, step_one_env
 from ppokit.rollout import one_env
 from ppokit.rollout.collector import Collector
-from ppokit.envs.factory import one_env_steppable, step_one_env
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 _spec = importlib.util.spec_from_file_location("ppokit_make_golden_1env", GOLDEN / "make_golden.py")
@@ -264,8 +264,8 @@ def test_host_gae_recursion_is_the_torch_loop_bit_for_bit(n, dtype):
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
 def test_one_env_next_step_collector_matches_general_loop(env_id):
     """A NEXT_STEP vector env (the reset step is no transition): the same buffer, episodes and loop state."""
-    from ppokit.rollout.normalize import ObsNormalizer, RewardScaler
     from ppokit.policies import build_policy
+    from ppokit.rollout.normalize import ObsNormalizer, RewardScaler
 
     results = []
     for lean in (True, False):

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from ppokit.runtime.checkpoint import load_checkpoint
 from ppokit.cli.main import main
+from ppokit.runtime.checkpoint import load_checkpoint
 from ppokit.runtime.logger import SinkError, TensorBoardSink
 from ppokit.training.trainer import CHECKPOINT_NAME
 

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.core.advantages import normalize
-from ppokit.training.agent import evaluate, load
-from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint
 from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 from ppokit.envs import GridWorldEnv
+from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint
+from ppokit.training.agent import evaluate, load
 from ppokit.training.trainer import CHECKPOINT_NAME, Trainer, resume, train
 from ppokit.update.autograd import Batch, UpdateSettings, ppo_update
 
@@ -294,8 +293,9 @@ def test_continuous_actions_store_the_unclipped_sample_and_its_log_prob(tmp_path
 
 # ------------------------------------------------------------------ sinks
 def test_run_dir_holds_csv_tensorboard_checkpoint_config_and_curves(tmp_path):
-    from rich.console import Console
     import io
+
+    from rich.console import Console
 
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=120)

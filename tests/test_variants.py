@@ -7,8 +7,6 @@ optimizer of a real (short) training run.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch

@@ -42,9 +42,19 @@ else:  # pragma: no cover
 
 from ppokit.analysis.diagnosis import Diagnosis, RunData, checkpoint_finding, healthy_note, too_short
 from ppokit.analysis.doctor_lm import LM_META, diagnose_lm, is_lm_run, lm_run_config
+from ppokit.analysis.doctor_rules import (
+    MIN_UPDATES_TO_JUDGE,
+    NOTES,
+    ORDER,
+    RULES,
+    Finding,
+    RuleContext,
+    checklist,
+    fin,
+    quarters,
+    trend,
+)
 from ppokit.core import schema as S
-from ppokit.analysis.doctor_rules import (MIN_UPDATES_TO_JUDGE, NOTES, ORDER, RULES, Finding, RuleContext, checklist, fin, quarters,
-                           trend)
 from ppokit.diagnostics.monitor import episode_time_limit
 
 __all__ = ["Finding", "Diagnosis", "diagnose", "RunData", "load_run", "RULES", "MIN_UPDATES_TO_JUDGE",

@@ -35,11 +35,20 @@ import statistics
 from pathlib import Path
 
 from ppokit.analysis.diagnosis import Diagnosis, RunData, checkpoint_finding, healthy_note, too_short
+from ppokit.analysis.doctor_rules import (
+    Finding,
+    RuleContext,
+    _rule_clipfrac_high,
+    _rule_kl_blowup,
+    _rule_kl_high,
+    _rule_monitoring_off,
+    _rule_unsafe,
+    fin,
+    quarters,
+    trend,
+)
 from ppokit.core import schema as S
-from ppokit.analysis.doctor_rules import (Finding, RuleContext, _rule_clipfrac_high, _rule_kl_blowup, _rule_kl_high,
-                           _rule_monitoring_off, _rule_unsafe, fin, quarters, trend)
 from ppokit.diagnostics.monitor import longest_run
-
 
 __all__ = ["is_lm_run", "is_dpo_run", "diagnose_lm", "LM_CURVES", "lm_curves", "KL_REF_RUNAWAY", "KL_REF_GROWTH"]
 

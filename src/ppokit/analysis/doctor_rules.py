@@ -18,10 +18,25 @@ from typing import Any
 
 from ppokit.analysis.diagnosis import MIN_UPDATES_TO_JUDGE, Finding, RunData  # noqa: F401  (re-exported)
 from ppokit.core import schema as S
-from ppokit.diagnostics.monitor import (RunSummary, clip_idle, critic_never_learned, entropy_collapse, kl_level, longest_run,
-                      nonfinite_counts, reward_signal)
-from ppokit.core.schema import ADV_CONST, CLIPFRAC_HEALTHY, ENTROPY_PINNED, GRAD_ZERO, KL_BLOWUP_MIN_UPDATES, LR_ZERO, THRESHOLDS
-
+from ppokit.core.schema import (
+    ADV_CONST,
+    CLIPFRAC_HEALTHY,
+    ENTROPY_PINNED,
+    GRAD_ZERO,
+    KL_BLOWUP_MIN_UPDATES,
+    LR_ZERO,
+    THRESHOLDS,
+)
+from ppokit.diagnostics.monitor import (
+    RunSummary,
+    clip_idle,
+    critic_never_learned,
+    entropy_collapse,
+    kl_level,
+    longest_run,
+    nonfinite_counts,
+    reward_signal,
+)
 
 __all__ = ["Finding", "RuleContext", "RULES", "NOTES", "ORDER", "checklist", "fin", "quarters", "Trend", "trend",
            "MIN_UPDATES_TO_JUDGE", "TREND_SIGMAS", "raise_fix"]

@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ppokit.analysis.experiment_stats import SettingResult, interpolate_curves, t_quantile_975
 from ppokit.core import schema as S
 from ppokit.core.algos import ALGOS
-from ppokit.analysis.experiment_stats import SettingResult, interpolate_curves, t_quantile_975
 
 KL_WARN = S.KL_WARN  # approx KL above this: large policy steps for eps = 0.2
 KL_EXPLODED = S.KL_ALERT  # above this the update has left the trust region ("KL blew up")

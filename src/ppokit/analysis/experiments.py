@@ -39,14 +39,31 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ppokit.core import schema as S
-from ppokit.config.ppo_config import ConfigError, PPOConfig, _coerce
-from ppokit.analysis.experiment_outputs import (KL_EXPLODED, KL_WARN, adapts_kl_beta, plot_beta, plot_clipfrac, plot_kl,
-                                 plot_returns, plot_stability, summary_table, write_summary_csv)
-from ppokit.analysis.experiment_stats import (REACH_WINDOW, SeedCurves, SettingResult, interpolate_curves, mean_ci,
-                                             steps_to_threshold, t_quantile_975)
+from ppokit.analysis.experiment_outputs import (
+    KL_EXPLODED,
+    KL_WARN,
+    adapts_kl_beta,
+    plot_beta,
+    plot_clipfrac,
+    plot_kl,
+    plot_returns,
+    plot_stability,
+    summary_table,
+    write_summary_csv,
+)
+from ppokit.analysis.experiment_stats import (
+    REACH_WINDOW,
+    SeedCurves,
+    SettingResult,
+    interpolate_curves,
+    mean_ci,
+    steps_to_threshold,
+    t_quantile_975,
+)
 from ppokit.analysis.experiment_stats import tail_mean as _tail_mean
 from ppokit.analysis.experiment_stats import tail_std as _tail_std
+from ppokit.config.ppo_config import ConfigError, PPOConfig, _coerce
+from ppokit.core import schema as S
 
 __all__ = [
     "RunSpec",

@@ -14,9 +14,9 @@ import io
 import math
 from pathlib import Path
 
-from ppokit.core import schema as S
 from ppokit.analysis.doctor import Diagnosis, diagnose, load_run
 from ppokit.analysis.doctor_lm import is_lm_run, lm_curves
+from ppokit.core import schema as S
 from ppokit.diagnostics.plots import CLIPFRAC_BAND, KL_ALARM, KL_WARN, PLAIN_TEXT, _new_figure
 
 __all__ = ["build_report", "write_report", "CURVES"]

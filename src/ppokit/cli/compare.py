@@ -20,9 +20,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from ppokit.analysis.experiments import parse_set
     from ppokit.cli.sweep import run_experiment
     from ppokit.core.errors import ConfigError
-    from ppokit.analysis.experiments import parse_set
 
     try:
         sets = [parse_set(f"algo={args.algos}")]

@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ppokit.training.agent import evaluate, load
-    from ppokit.runtime.checkpoint import CheckpointError
     from ppokit.envs.errors import EnvError
+    from ppokit.runtime.checkpoint import CheckpointError
+    from ppokit.training.agent import evaluate, load
 
     console = Console()
     err = Console(stderr=True)

@@ -171,7 +171,6 @@ def load_model_dir(path: str, *, device: str = "cpu"):
         raise InputError(f"--model {path}: has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save the "
                          "tokenizer into it with tokenizer.save_pretrained(DIR)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the CLI's stderr holds its own lines only (one line per error)
@@ -292,9 +291,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     command, full = args.lm_command, args.lm_args
-    from ppokit.runtime.checkpoint import CheckpointError
     from ppokit.core.errors import ConfigError
     from ppokit.lm.durable import RUN_FAILURES
+    from ppokit.runtime.checkpoint import CheckpointError
     from ppokit.runtime.rundir import RunDirError
 
     try:

@@ -25,8 +25,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ppokit.config.ppo_config import ConfigError, PPOConfig, _coerce
     from ppokit.config.planner import make_plan
+    from ppokit.config.ppo_config import ConfigError, PPOConfig, _coerce
 
     err = Console(stderr=True)
     if args.env_id is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-
 # More runs than this in one sweep is a typo (each is a full training run), not an experiment.
 MAX_RUNS = 10_000
 
@@ -92,8 +91,8 @@ def run_experiment(args: argparse.Namespace, sets, compare: bool, bare_labels: b
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ppokit.core.errors import ConfigError
     from ppokit.analysis.experiments import parse_set
+    from ppokit.core.errors import ConfigError
 
     try:
         sets = [parse_set(s) for s in args.sets]

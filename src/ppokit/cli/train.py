@@ -41,8 +41,8 @@ def resolve_config(args: argparse.Namespace):
     CartPole. ``--env X`` alone means the planner's config for X (published settings where known, its rules
     otherwise; see ``ppokit plan``), not untuned library defaults; flags still override it.
     """
-    from ppokit.config.ppo_config import PPOConfig, load_preset
     from ppokit.config.planner import planned_config
+    from ppokit.config.ppo_config import PPOConfig, load_preset
 
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PPOConfig)
                  if getattr(args, f.name, None) is not None}
@@ -121,10 +121,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc > 1 and not launched:
         return _launch(args)  # before torch is imported: this process only waits for torchrun
 
-    from ppokit.runtime import distributed
-    from ppokit.runtime import launcher
-    from ppokit.runtime.checkpoint import CheckpointError
     from ppokit.envs.errors import EnvError
+    from ppokit.runtime import distributed, launcher
+    from ppokit.runtime.checkpoint import CheckpointError
     from ppokit.runtime.logger import SinkError
 
     # Under torchrun every rank runs this: rank 0 alone says what it trains (and writes the run dir); an error is

@@ -2,7 +2,7 @@
 config for an env, and the checks of what a config asks of this machine.
 """
 
-from ppokit.config.ppo_config import ConfigError, PPOConfig
 from ppokit.config import planner as _planner  # noqa: F401,E402  (registers PPOConfig.for_env's planner)
+from ppokit.config.ppo_config import ConfigError, PPOConfig
 
 __all__ = ["ConfigError", "PPOConfig"]

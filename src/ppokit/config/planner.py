@@ -100,7 +100,6 @@ def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds
     import numpy as np
 
     from ppokit.envs import check_env_id, check_spaces, make_eval_env
-
     from ppokit.envs.errors import env_failure
 
     check_env_id(env_id)

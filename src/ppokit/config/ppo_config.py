@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ppokit.core.algos import (  # the registry itself (live: an algo registered later validates too)
+    ALGOS,
+    describe_algos,
+)
 from ppokit.core.errors import ConfigError  # noqa: F401  (raised here, and importable from here)
-from ppokit.core.algos import ALGOS, describe_algos  # the registry itself (live: an algo registered later validates too)
 from ppokit.core.schema import KL_STOP_FACTOR
 
 if sys.version_info >= (3, 11):

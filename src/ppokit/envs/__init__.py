@@ -10,7 +10,6 @@ from ppokit.envs.gridworld import (
     GridWorldVectorEnv,
     GridWorldWallsEnv,
 )
-
 from ppokit.envs.registration import GRIDWORLD_ID, GRIDWORLD_WALLS_ID, register_envs
 
 register_envs()

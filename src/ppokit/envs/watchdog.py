@@ -275,9 +275,9 @@ def orphan_proof_worker(index: int, env_fn: Any, pipe: Any, parent_pipe: Any, sh
                         autoreset_mode: Any, semaphore: Any) -> None:
     """Gymnasium's ``_async_worker`` (the ``worker`` of ``AsyncVectorEnv``), in a process that dies with the
     trainer; an env whose ``close()`` raises at the end costs one line naming it instead of a traceback."""
-    from gymnasium.vector.async_vector_env import _async_worker
-
     import multiprocessing
+
+    from gymnasium.vector.async_vector_env import _async_worker
 
     parent = multiprocessing.parent_process()
     _die_with_parent(parent.pid if parent is not None else None)

@@ -18,10 +18,10 @@ from torch import Tensor
 
 from ppokit.core.advantages import normalize
 from ppokit.core.algos import get_algo
-from ppokit.update.epochs import Batch, MinibatchResult, UpdateSettings, ppo_epochs
 from ppokit.kernels.flat_adam import FlatAdam
 from ppokit.kernels.mlp_backward import MLPLossKernel
 from ppokit.policies import ActorCritic
+from ppokit.update.epochs import Batch, MinibatchResult, UpdateSettings, ppo_epochs
 
 __all__ = ["FusedStep", "fused_ppo_update", "host_stats"]
 

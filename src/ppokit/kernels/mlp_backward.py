@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from ppokit.core.algos import ALGOS
-from ppokit.update.epochs import UpdateSettings
 from ppokit.core.objectives import past_clip
 from ppokit.policies import ActorCritic
+from ppokit.update.epochs import UpdateSettings
 
 if TYPE_CHECKING:
     from ppokit.kernels.flat_adam import FlatAdam

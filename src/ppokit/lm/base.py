@@ -19,19 +19,16 @@ import hashlib
 import math
 import os
 import shutil
-import uuid
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from ppokit.runtime import distributed
 from ppokit.core import schema as S
-from ppokit.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ppokit.diagnostics.monitor import Monitor
-from ppokit.policies import frozen_copy
 from ppokit.lm.alerts import LMAlerts
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer
 from ppokit.lm.config import LMConfig
@@ -43,6 +40,9 @@ from ppokit.lm.prompts import PromptSource
 from ppokit.lm.rewards import make_reward
 from ppokit.lm.rollout import Sampled, sample
 from ppokit.lm.sampling import CachedSampler
+from ppokit.policies import frozen_copy
+from ppokit.runtime import distributed
+from ppokit.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 __all__ = ["LMTrainer", "is_peft_model", "disable_dropout", "adamw"]
 

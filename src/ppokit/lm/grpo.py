@@ -25,7 +25,6 @@ from torch import Tensor, nn
 
 from ppokit.core import schema as S
 from ppokit.core.advantages import SPREAD_ULPS
-from ppokit.update.epochs import UpdateSettings, ppo_epochs
 from ppokit.core.reductions import reduce
 from ppokit.lm.base import LMTrainer, adamw
 from ppokit.lm.config import ConfigError, LMConfig
@@ -33,6 +32,7 @@ from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.losses import get_loss, settings_for
 from ppokit.lm.rollout import TokenBatch
 from ppokit.lm.step import TokenStep
+from ppokit.update.epochs import UpdateSettings, ppo_epochs
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 

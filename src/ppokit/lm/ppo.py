@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from ppokit.core import schema as S
 from ppokit.core.advantages import gae, normalize
-from ppokit.update.epochs import UpdateSettings, ppo_epochs
 from ppokit.core.objectives import explained_variance, value_loss
 from ppokit.core.reductions import reduce
 from ppokit.lm.base import LMTrainer, adamw, masked_stats
@@ -38,6 +37,7 @@ from ppokit.lm.logprobs import kl_per_token, position_ids, token_logprobs
 from ppokit.lm.losses import get_loss, settings_for
 from ppokit.lm.rollout import TokenBatch, place_scores
 from ppokit.lm.step import TokenStep
+from ppokit.update.epochs import UpdateSettings, ppo_epochs
 
 __all__ = ["PPOTrainer", "ValueModel", "default_value_model", "rlhf_rewards", "token_advantages", "adaptive_kl_coef"]
 

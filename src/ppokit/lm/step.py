@@ -16,9 +16,9 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ppokit.update.epochs import STAT_NAMES, MinibatchResult, UpdateSettings
-from ppokit.update.autograd import AutogradGuards
 from ppokit.lm.rollout import TokenBatch
+from ppokit.update.autograd import AutogradGuards
+from ppokit.update.epochs import STAT_NAMES, MinibatchResult, UpdateSettings
 
 __all__ = ["TokenStep", "TokenLoss"]
 

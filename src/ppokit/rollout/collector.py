@@ -30,15 +30,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ppokit.rollout.buffer import RolloutBuffer
 from ppokit.core.errors import ConfigError
 from ppokit.envs.encoders import MASK_KEY, obs_copy_, obs_index, obs_map, obs_to_tensor, observation_encoder
 from ppokit.envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
 from ppokit.envs.watchdog import NO_WATCHDOG, EnvTimeout
+from ppokit.policies import mask_logits
 from ppokit.rollout import one_env
+from ppokit.rollout.buffer import RolloutBuffer
 from ppokit.rollout.hostnorm import HostNormalizers
 from ppokit.rollout.normalize import ObsNormalizer, RewardScaler
-from ppokit.policies import mask_logits
 
 __all__ = ["Collector", "Episodes", "action_masks_available", "allocate_buffer", "forget_probe_reset", "read_action_masks", "evaluate_first_episodes", "make_eval_envs",
            "make_train_envs"]
@@ -323,8 +323,8 @@ class Collector:
 def make_train_envs(cfg: Any, custom_env: Any = None) -> Any:
     """The training vector env of ``cfg`` (``custom_env``: a resolved factory or instance); sets ``cfg.env_id``
     to a custom env's record name once it exists. A constructor that raises is one EnvError line."""
-    from ppokit.envs.atari import is_atari_id, make_atari_vec_env
     from ppokit.envs import check_spaces, make_vec_env
+    from ppokit.envs.atari import is_atari_id, make_atari_vec_env
 
     try:
         if custom_env is None and cfg.vector_mode != "envpool" and is_atari_id(cfg.env_id):
@@ -347,8 +347,8 @@ def make_train_envs(cfg: Any, custom_env: Any = None) -> Any:
 
 def make_eval_envs(cfg: Any, custom_env: Any = None) -> tuple[Any, int]:
     """The evaluation gate's vector env (``eval_episodes`` envs, unseeded until reset) and its step cap."""
-    from ppokit.envs.atari import is_atari_id, make_atari_vec_env
     from ppokit.envs import make_vec_env
+    from ppokit.envs.atari import is_atari_id, make_atari_vec_env
     from ppokit.envs.factory import _get_spec
 
     if custom_env is None and cfg.vector_mode != "envpool" and is_atari_id(cfg.env_id):

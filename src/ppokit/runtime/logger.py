@@ -293,7 +293,7 @@ class TensorBoardSink:
         # Written into this run's own event file (add_hparams would start a separate run dir for them).
         experiment, session_start, _ = hparams(plain, dict.fromkeys(metrics, 0.0))
         for summary in (experiment, session_start):
-            self._guard(lambda: self._writer.file_writer.add_summary(summary, int(step)))
+            self._guard(lambda s=summary: self._writer.file_writer.add_summary(s, int(step)))
 
     def flush(self) -> None:
         """Force pending events to disk."""
@@ -338,8 +338,15 @@ class ConsoleSink:
                           and self.console.width >= self.WIDE_COLUMNS)
         if self.enabled and not self.plain:
             # Imported here: piped runs (CI, scripts, tests) never draw a bar.
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TaskProgressColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(
                 TextColumn("{task.description}"),

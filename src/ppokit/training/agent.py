@@ -8,11 +8,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppokit.runtime import checkpoint as ckpt
 from ppokit.config.ppo_config import PPOConfig
-from ppokit.rollout.normalize import ObsNormalizer, make_obs_normalizer
-from ppokit.envs.encoders import BoxEncoder, DictEncoder, ImageEncoder, encoder_from_spec, obs_to_tensor, observation_encoder
+from ppokit.envs.encoders import (
+    BoxEncoder,
+    DictEncoder,
+    ImageEncoder,
+    encoder_from_spec,
+    obs_to_tensor,
+    observation_encoder,
+)
 from ppokit.policies import ActorCritic, PolicySpecError, mask_logits, policy_from_spec
+from ppokit.rollout.normalize import ObsNormalizer, make_obs_normalizer
+from ppokit.runtime import checkpoint as ckpt
 
 __all__ = ["Agent", "load", "evaluate", "stored_config"]
 
@@ -291,9 +298,9 @@ def _custom(env: Any, env_id: str | None) -> tuple[str | None, Any]:
         raise ValueError("give the env as env= or env_id=, not both")
     if isinstance(env, str):
         return env, None
-    from ppokit.envs.factory import CustomEnv
-
     import gymnasium as gym
+
+    from ppokit.envs.factory import CustomEnv
 
     if not (isinstance(env, gym.Env) or callable(env)):
         raise ValueError(f"env must be a registered id, a zero-argument callable returning a gymnasium.Env, or a "
@@ -454,8 +461,8 @@ def _make_eval_env(env_id: str | None, render_mode: str | None = None, env_kwarg
     """One env to evaluate in: ``envs.make_eval_env``, except that an ALE game gets ppokit's Atari stack in its
     evaluation form (atari.py: the agent sees what it trained on; an episode is one whole game and its return the
     unclipped game score)."""
-    from ppokit.envs.atari import is_atari_id, make_atari_env
     from ppokit.envs import make_eval_env
+    from ppokit.envs.atari import is_atari_id, make_atari_env
 
     if env_fn is None and is_atari_id(env_id):
         return make_atari_env(env_id, env_kwargs, train=False, render_mode=render_mode)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ppokit.runtime import checkpoint as ckpt
 from ppokit.policies import spec_type
+from ppokit.runtime import checkpoint as ckpt
 
 __all__ = ["TrainerCheckpoint", "CHECKPOINT_NAME"]
 
@@ -23,8 +23,8 @@ class TrainerCheckpoint:
 
     def state(self) -> dict[str, Any]:
         """The full train state in checkpoint-safe types."""
-        from ppokit.training.agent import spaces_record
         from ppokit.envs.state import capture_env_state
+        from ppokit.training.agent import spaces_record
 
         return {
             "config": self.config.to_dict(),
@@ -59,8 +59,8 @@ class TrainerCheckpoint:
         return path
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        from ppokit.training.agent import check_stored_spaces, describe_policy_spec
         from ppokit.envs.state import restore_env_state
+        from ppokit.training.agent import check_stored_spaces, describe_policy_spec
 
         path = self.run_dir / CHECKPOINT_NAME
         if "policy_spec" not in state:

@@ -17,34 +17,40 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppokit.runtime import checkpoint as ckpt
-from ppokit.runtime import distributed
+from ppokit.config.ppo_config import ConfigError, PPOConfig
+from ppokit.config.resources import check_memory, layout_bytes, usable_threads
 from ppokit.core import schema as S
-from ppokit.kernels.acting import ActingKernel
 from ppokit.core.advantages import gae
 from ppokit.core.algos import Algo, adapt_kl_beta, get_algo  # noqa: F401  (adapt_kl_beta: ppo-kl's rule, importable from here)
-from ppokit.rollout.collector import (Collector, action_masks_available, evaluate_first_episodes, forget_probe_reset,
-                        make_eval_envs, make_train_envs)
-from ppokit.config.ppo_config import ConfigError, PPOConfig
+from ppokit.core.objectives import explained_variance
+from ppokit.core.schema import PERF_PHASES
+from ppokit.core.seeding import seed_everything
+from ppokit.diagnostics.monitor import Monitor, episode_time_limit
 from ppokit.envs.encoders import obs_index, obs_map, observation_encoder
 from ppokit.envs.errors import EnvError
 from ppokit.envs.watchdog import EnvWatchdog, close_vector_env
-from ppokit.update.epochs import Batch, UpdateSettings, ppo_epochs
+from ppokit.kernels.acting import ActingKernel
 from ppokit.kernels.flat_adam import FlatAdam
 from ppokit.kernels.fused_step import FusedStep
 from ppokit.kernels.mlp_backward import supports as fused_supports
-from ppokit.diagnostics.monitor import Monitor, episode_time_limit
-from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
-from ppokit.core.objectives import explained_variance
 from ppokit.policies import ActorCritic, Policy, build_policy
 from ppokit.policies.build import policy_parameters
-from ppokit.config.resources import check_memory, layout_bytes, usable_threads
-from ppokit.core.schema import PERF_PHASES
-from ppokit.core.seeding import seed_everything
-from ppokit.training.lifecycle import TrainerLifecycle
+from ppokit.rollout.collector import (
+    Collector,
+    action_masks_available,
+    evaluate_first_episodes,
+    forget_probe_reset,
+    make_eval_envs,
+    make_train_envs,
+)
+from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
+from ppokit.runtime import checkpoint as ckpt
+from ppokit.runtime import distributed
 from ppokit.runtime.interrupts import install_sigint as _install_sigint
+from ppokit.training.lifecycle import TrainerLifecycle
 from ppokit.training.state import CHECKPOINT_NAME, TrainerCheckpoint
 from ppokit.update.autograd import AutogradStep
+from ppokit.update.epochs import Batch, UpdateSettings, ppo_epochs
 
 __all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
 
@@ -87,9 +93,9 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
                  env: Any = None, callbacks: Any = None, rollout: Any = None):
-        from ppokit.training.callbacks import CallbackList
         from ppokit.envs import check_env_id, check_spaces, resolve_env
         from ppokit.runtime.logger import MetricsLogger
+        from ppokit.training.callbacks import CallbackList
 
         self.callbacks = CallbackList(callbacks)  # checked before anything is built
         self._callback_stop: str | None = None  # the name of the callback that asked to stop

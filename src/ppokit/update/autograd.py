@@ -15,9 +15,17 @@ from torch import Tensor
 
 from ppokit.core.advantages import normalize
 from ppokit.core.algos import get_algo, loss_terms
-from ppokit.update.epochs import KL_STOP_FACTOR, STAT_NAMES, Batch, MinibatchResult, UpdateSettings, kl_stops, ppo_epochs
 from ppokit.core.objectives import approx_kl_k1, approx_kl_k3, clip_fraction
 from ppokit.policies import ActorCritic
+from ppokit.update.epochs import (
+    KL_STOP_FACTOR,
+    STAT_NAMES,
+    Batch,
+    MinibatchResult,
+    UpdateSettings,
+    kl_stops,
+    ppo_epochs,
+)
 
 __all__ = ["Batch", "UpdateSettings", "AutogradStep", "AutogradGuards", "ppo_update", "minibatch_loss", "kl_stops", "KL_STOP_FACTOR",
            "STAT_NAMES"]
