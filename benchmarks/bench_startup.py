@@ -3,7 +3,7 @@
 Times, each in a fresh interpreter (subprocess, process start to exit), alternating between the two:
 
 - ``python -c "import torch"``: the floor every torch program pays;
-- ``python -m ppokit.cli.main train --env CartPole-v1 --total-timesteps 512 --num-envs 4 --num-steps 128 --quiet``:
+- ``python -m ppokit.cli train --env CartPole-v1 --total-timesteps 512 --num-envs 4 --num-steps 128 --quiet``:
   one update of CartPole, so nearly all of it is the other imports, env and logger set-up, the final checkpoint,
   the end-of-run figure and exit.
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-TRAIN = ["-m", "ppokit.cli.main", "train", "--env", "CartPole-v1", "--total-timesteps", "512", "--num-envs", "4",
+TRAIN = ["-m", "ppokit.cli", "train", "--env", "CartPole-v1", "--total-timesteps", "512", "--num-envs", "4",
          "--num-steps", "128", "--quiet"]
 TORCH = ["-c", "import torch"]
 TARGET_S = 1.0

@@ -5,7 +5,7 @@ against ppokit's steps/s during the rollout (acting + stepping + buffer writes; 
 the whole training loop (with the updates), as a fraction of the raw throughput; and the microseconds of acting
 per rollout step (the trainer's inference timer).
 
-Part 2: whole-process seconds of ``python -m ppokit.cli.main train --preset cartpole-fast --quiet`` (process start to
+Part 2: whole-process seconds of ``python -m ppokit.cli train --preset cartpole-fast --quiet`` (process start to
 exit, measured around a subprocess) over 5 seeds; the preset stops once 16 deterministic evaluation episodes
 average >= 475. Also the env steps used and the final evaluation return read from the run's metrics.csv.
 
@@ -73,7 +73,7 @@ def solve_times(seeds: list[int], preset: str, extra: list[str]) -> list[dict]:
     for seed in seeds:
         with tempfile.TemporaryDirectory(prefix="ppokit-solve-") as tmp:
             run_dir = Path(tmp) / "run"
-            cmd = [sys.executable, "-m", "ppokit.cli.main", "train", "--preset", preset, "--quiet", "--seed", str(seed),
+            cmd = [sys.executable, "-m", "ppokit.cli", "train", "--preset", preset, "--quiet", "--seed", str(seed),
                    "--run-dir", str(run_dir), *extra]
             env = dict(os.environ, OMP_NUM_THREADS="1")
             t0 = time.perf_counter()
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                    "ppokit loop steps/s", "loop / raw"], rows))
     print()
 
-    print("## Seconds to solve CartPole-v1 (whole process: python -m ppokit.cli.main train --preset cartpole-fast --quiet)")
+    print("## Seconds to solve CartPole-v1 (whole process: python -m ppokit.cli train --preset cartpole-fast --quiet)")
     extra = ["--total-timesteps", "4096", "--eval-every", "1"] if args.smoke else []
     if args.device != "cpu":
         extra += ["--device", args.device]

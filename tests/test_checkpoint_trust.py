@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ppokit
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import PPOConfig
 from ppokit.runtime.checkpoint import (
     CheckpointError,
@@ -81,7 +81,7 @@ def _out(capsys) -> str:
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     # `python -m` puts cwd on sys.path, so an evilmod.py in cwd is importable: the worst case for the loader.
-    return subprocess.run([sys.executable, "-m", "ppokit.cli.main", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ppokit.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300, env={**__import__("os").environ, "COLUMNS": "400"})
 
 

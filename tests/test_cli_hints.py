@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import ppokit
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 
 

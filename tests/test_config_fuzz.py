@@ -2,8 +2,8 @@
 code 2, one message naming the field, and no traceback. Then the decisions around them: strict types, what a
 resume accepts, the planner's config for a bare ``--env``, resource limits, and the small CLI conveniences.
 
-The table runs through ``ppokit.cli.main.main`` in-process (fast); a representative subset also runs the real
-``python -m ppokit.cli.main`` in a subprocess, where a traceback would really reach the user.
+The table runs through ``ppokit.cli.main`` in-process (fast); a representative subset also runs the real
+``python -m ppokit.cli`` in a subprocess, where a traceback would really reach the user.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ppokit.config.resources
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 from ppokit.config.resources import check_memory, estimate_memory, usable_threads
 
@@ -178,7 +178,7 @@ SUBPROCESS_CASES = [
 def test_the_real_cli_prints_one_error_line_and_exits_2(tmp_path):
     env = {**os.environ, "COLUMNS": "200"}
     for field, argv in SUBPROCESS_CASES:
-        proc = subprocess.run([sys.executable, "-m", "ppokit.cli.main", "train", "--preset", "gridworld", "--quiet", *argv],
+        proc = subprocess.run([sys.executable, "-m", "ppokit.cli", "train", "--preset", "gridworld", "--quiet", *argv],
                               capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
         assert proc.returncode == 2, (argv, proc.stderr)
         assert f"'{field}'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

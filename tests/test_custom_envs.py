@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
 
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import ConfigError, PPOConfig
 from ppokit.envs import make_vec_env
 from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint
@@ -352,7 +352,7 @@ def test_a_bad_env_kwarg_on_the_real_cli_is_one_line_exit_2(tmp_path):
     env = {**os.environ, "COLUMNS": "200"}
     for value, words in [('{"no_such_arg": 1}', "no_such_arg"), ('{"map_name": "9x9"}', "KeyError"),
                          ("{not json", "not valid JSON")]:
-        proc = subprocess.run([sys.executable, "-m", "ppokit.cli.main", "train", "--env", "FrozenLake-v1", "--env-kwargs",
+        proc = subprocess.run([sys.executable, "-m", "ppokit.cli", "train", "--env", "FrozenLake-v1", "--env-kwargs",
                                value, "--preset", "gridworld", "--quiet"], capture_output=True, text=True,
                               cwd=tmp_path, env=env, timeout=120)
         assert proc.returncode == 2, proc.stderr

@@ -11,7 +11,7 @@ import torch
 from gymnasium import spaces
 
 import ppokit
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import load_preset
 from ppokit.envs import check_spaces
 from ppokit.envs.encoders import DictEncoder, ImageEncoder, OneHotEncoder, encoder_from_spec, observation_encoder

@@ -167,7 +167,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
 
 
 def test_one_process_checkpoint_resumes_in_two_ranks(tmp_path):
-    from ppokit.cli.main import build_parser
+    from ppokit.cli import build_parser
     from ppokit.cli.train import config_from_args
     from ppokit.training.trainer import train
 
@@ -284,7 +284,7 @@ def test_schedule_counts_every_rank_and_reduces_to_num_updates_in_one_process():
 
 
 def test_nproc_relaunch_reproduces_every_given_flag():
-    from ppokit.cli.main import build_parser
+    from ppokit.cli import build_parser
     from ppokit.cli.train import _child_argv
 
     argv = ["train", "--nproc", "2", "--env", "CartPole-v1", "--num-envs", "3", "--no-fused-update",
@@ -448,7 +448,7 @@ def test_whitening_over_the_ranks_equals_normalize_over_the_whole_batch(monkeypa
 
 
 def test_a_bad_nproc_is_one_line_and_exit_code_2(capsys):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     assert main(["train", "--nproc", "0", "--env", "CartPole-v1", "--quiet"]) == 2
     err = capsys.readouterr().err

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ppokit.analysis.doctor import diagnose
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import PPOConfig, load_preset
 from ppokit.training.trainer import train
 

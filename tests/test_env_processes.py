@@ -49,7 +49,7 @@ ENV_MODULE = textwrap.dedent('''
     gym.register("proc_test/Hangs-v0", entry_point=Hangs, disable_env_checker=True)
 
     if __name__ == "__main__":
-        from ppokit.cli.main import main
+        from ppokit.cli import main
         sys.exit(main(sys.argv[1:]))
 ''')
 

@@ -160,7 +160,7 @@ def test_every_gymnasium_env_round_trips_through_a_checkpoint(tmp_path, env_id, 
 
 
 def test_mountaincar_train_finishes_with_checkpoint_and_curves(tmp_path):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     run_dir = tmp_path / "mc"
     rc = main(["train", "--env", "MountainCar-v0", "--total-timesteps", "2048", "--run-dir", str(run_dir),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ppokit.analysis import experiments as ex
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ppokit
-from ppokit.cli.main import build_parser
+from ppokit.cli import build_parser
 from ppokit.cli.train import resolve_config
 from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 

@@ -11,7 +11,7 @@ import pytest
 import tomllib  # noqa: E402  (Python >= 3.11)
 
 import ppokit.diagnostics.plots
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import PPOConfig
 
 # (flags, field, words the message must contain)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.diagnostics.plots import read_metrics
 from ppokit.envs.errors import EnvError
 from ppokit.runtime.checkpoint import load_checkpoint

@@ -12,7 +12,7 @@ import torch
 from gymnasium import spaces
 
 import ppokit
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import load_preset
 from ppokit.envs.encoders import BoxEncoder, ImageEncoder, image_layout, observation_encoder
 from ppokit.envs.errors import EnvError, check_obs_batch

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 
-from ppokit.cli.main import main  # noqa: E402
+from ppokit.cli import main  # noqa: E402
 
 TINY_BUDGET = ["--iterations", "2", "--batch-prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
                "--num-minibatches", "1", "--update-epochs", "1", "--no-console", "--no-tensorboard"]
@@ -121,7 +121,7 @@ def test_lm_without_an_algo_prints_help_and_exit_2(capsys):
 def test_without_transformers_one_line_names_the_extra(tmp_path):
     # transformers made unimportable (None in sys.modules), as on a machine without the lm extra.
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "from ppokit.cli.main import main\n"
+            "from ppokit.cli import main\n"
             "sys.exit(main(['lm', 'grpo', '--model', 'm', '--reward', 'r:f', '--prompts', 'p.jsonl']))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -166,7 +166,7 @@ def test_reward_module_is_imported_from_the_cwd_without_python_m(workdir, model_
     # `python -c` puts the cwd on sys.path as ''; removing it makes this the console script's situation, where the
     # user's module is found only because ppokit lm puts the cwd there itself.
     code = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
-            "from ppokit.cli.main import main\n"
+            "from ppokit.cli import main\n"
             f"sys.exit(main({_grpo(model_dir, 'myreward:count_a', 'p.jsonl', '--run-dir', 'sub')!r}))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and Path(p).is_dir()))
     proc = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300,

@@ -97,7 +97,7 @@ def test_a_second_demo_run_rewrites_its_run_dirs(tmp_path):
 # ---------------------------------------------------------------- the whole demo (one run, several checks)
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     out = tmp_path_factory.mktemp("lm_demo")
     assert main(["lm", "demo", "--seed", "1", "--json", str(out / "demo.json"), "--out", str(out / "runs"),

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from ppokit.analysis.doctor import diagnose
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.core import schema as S
 
 N = 40

@@ -61,7 +61,7 @@ def workdir(tmp_path):
 def in_process(workdir, monkeypatch, capsys):
     """``ppokit lm ARGS`` run by ``cli.main`` in this process, in ``workdir``, with the env vars given:
     ``(exit code, stdout, stderr)``."""
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     monkeypatch.chdir(workdir)
 

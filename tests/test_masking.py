@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ppokit
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import PPOConfig, load_preset
 from ppokit.core.objectives import categorical_entropy
 from ppokit.envs import GRIDWORLD_WALLS_ID, GridWorldWallsEnv

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.planner import MIN_UPDATES, make_plan, probe_env
 from ppokit.config.ppo_config import PPOConfig, load_preset
 
@@ -181,7 +181,7 @@ def test_unknown_env_is_refused(capsys):
 
 @pytest.mark.parametrize("budget", ["1e999", "0", "-5", "abc", "1.5", "inf"])
 def test_plan_refuses_a_bad_budget_in_one_line(capsys, budget):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     assert main(["plan", "--env", "CartPole-v1", "--budget", budget]) == 2
     out = capsys.readouterr()

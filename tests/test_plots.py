@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import ppokit.cli.main
+import ppokit.cli
 from ppokit.diagnostics.plots import _alert_marks, objective_figure, plot_curves, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -43,7 +43,7 @@ def test_objective_figure_rejects_eps_outside_plot_range(tmp_path):
 def test_objective_command_in_process(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "120")  # rich sizes its table to the terminal; keep every cell on one line
     out = tmp_path / "fig.png"
-    assert ppokit.cli.main.main(["objective", "--out", str(out)]) == 0
+    assert ppokit.cli.main(["objective", "--out", str(out)]) == 0
     _assert_png(out)
     printed = capsys.readouterr().out
     for value in ("2.4", "-1.6", "-2.8"):  # the lesson's worked cases at eps = 0.2
@@ -56,7 +56,7 @@ def test_objective_command_in_process(tmp_path, capsys, monkeypatch):
 def test_objective_command_other_eps(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "120")
     # eps = 0.1: min(2.8, 1.1*2) = 2.2; min(-1.2, 0.9*-2) = -1.8; min(-2.8, 1.1*-2) = -2.8
-    assert ppokit.cli.main.main(["objective", "--eps", "0.1", "--out", str(tmp_path / "f.png")]) == 0
+    assert ppokit.cli.main(["objective", "--eps", "0.1", "--out", str(tmp_path / "f.png")]) == 0
     printed = capsys.readouterr().out
     for value in ("2.2", "-1.8", "-2.8"):
         assert value in printed
@@ -67,7 +67,7 @@ def test_objective_command_subprocess(tmp_path):
     out = tmp_path / "fig.png"
     env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1", COLUMNS="120")
     proc = subprocess.run(
-        [sys.executable, "-m", "ppokit.cli.main", "objective", "--out", str(out)],
+        [sys.executable, "-m", "ppokit.cli", "objective", "--out", str(out)],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert proc.returncode == 0, proc.stderr

@@ -23,7 +23,7 @@ import torch
 from gymnasium import spaces
 
 import ppokit
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import ConfigError, load_preset
 from ppokit.policies import (
     ActorCritic,

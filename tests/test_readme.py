@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.cli.main import build_parser, main
+from ppokit.cli import build_parser, main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from ppokit.analysis.report import CURVES, build_report
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import load_preset
 from ppokit.training.trainer import train
 

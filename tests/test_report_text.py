@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.diagnostics import plots
 
 BAD_TEXT = r"$\undefinedmacro{x$"

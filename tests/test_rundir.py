@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import PPOConfig, load_preset
 from ppokit.runtime import rundir
 from ppokit.runtime.checkpoint import load_checkpoint
@@ -62,7 +62,7 @@ def alert_names(run_dir: Path) -> list[str]:
 
 def start_train(run_dir: Path, *flags: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    return subprocess.Popen([sys.executable, "-m", "ppokit.cli.main", "train", *TINY, "--run-dir", str(run_dir), *flags],
+    return subprocess.Popen([sys.executable, "-m", "ppokit.cli", "train", *TINY, "--run-dir", str(run_dir), *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -34,12 +34,12 @@ def loaded_after(code: str, cwd: Path) -> list[str]:
 
 def test_import_ppokit_and_the_parser_load_no_heavy_package(tmp_path):
     assert loaded_after("import ppokit", tmp_path) == []
-    assert loaded_after("from ppokit.cli.main import build_parser; build_parser().format_help()", tmp_path) == []
+    assert loaded_after("from ppokit.cli import build_parser; build_parser().format_help()", tmp_path) == []
 
 
 @pytest.mark.slow  # two training processes: ~5 s
 def test_a_quiet_run_loads_tensorboard_only_to_write_events_and_never_the_progress_bar(tmp_path):
-    train = ("from ppokit.cli.main import main; assert main(['train', '--env', 'CartPole-v1', '--total-timesteps', "
+    train = ("from ppokit.cli import main; assert main(['train', '--env', 'CartPole-v1', '--total-timesteps', "
              "'256', '--num-envs', '2', '--num-steps', '128', '--quiet', '--run-dir', {run!r}{extra}]) == 0\n")
     without = loaded_after(train.format(run=str(tmp_path / "a"), extra=", '--no-tensorboard'"), tmp_path)
     assert "tensorboard" not in without and "rich.progress" not in without and "torch" in without

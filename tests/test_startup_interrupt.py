@@ -85,7 +85,7 @@ def test_the_console_script_exits_130_too(tmp_path):
 
 @pytest.mark.parametrize("orig_argv, expected", [
     (["python3", "-m", "ppokit", "train"], True),
-    (["python3", "-X", "importtime", "-m", "ppokit.cli.main", "eval"], True),
+    (["python3", "-X", "importtime", "-m", "ppokit.cli", "eval"], True),
     (["python3", "-u", "-mppokit", "train"], True),
     (["/usr/bin/python3", "/usr/local/bin/ppokit", "train"], True),
     (["python3", "-m", "pytest", "-q"], False),
@@ -100,6 +100,6 @@ def test_only_ppokits_own_command_line_defers_ctrl_c(orig_argv, expected):
 
 
 def test_importing_ppokit_leaves_sigint_alone(tmp_path):
-    code = ("import signal, ppokit, ppokit.cli.main; "
+    code = ("import signal, ppokit, ppokit.cli; "
             "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, timeout=120)

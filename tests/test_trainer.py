@@ -484,7 +484,7 @@ def test_user_registered_env_trains_through_the_python_api(tmp_path):
 
 # ------------------------------------------------------------------ CLI
 def test_cli_train_with_flags_and_toml_then_eval(tmp_path, capsys):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     toml = tmp_path / "c.toml"
     toml.write_text('env_id = "ppokit/GridWorld-v0"\nnum_envs = 4\nnum_steps = 32\nupdate_epochs = 2\n')
@@ -499,7 +499,7 @@ def test_cli_train_with_flags_and_toml_then_eval(tmp_path, capsys):
 
 
 def test_cli_env_alias_and_config_errors(tmp_path, capsys):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     rc = main(["train", "--env", "ppokit/GridWorld-v0", "--gamma", "2", "--run-dir", str(tmp_path / "x"), "--quiet"])
     assert rc == 2
@@ -510,7 +510,7 @@ def test_cli_env_alias_and_config_errors(tmp_path, capsys):
 
 
 def test_bare_train_uses_the_cartpole_preset():
-    from ppokit.cli.main import build_parser
+    from ppokit.cli import build_parser
     from ppokit.cli.train import config_from_args
 
     args = build_parser().parse_args(["train"])
@@ -521,7 +521,7 @@ def test_bare_train_uses_the_cartpole_preset():
 
 @pytest.mark.slow
 def test_cli_eval_records_videos(tmp_path, capsys):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     run = train(small_gridworld(tmp_path, total_timesteps=512), console_enabled=False)
     video_dir = tmp_path / "videos"
@@ -569,7 +569,7 @@ def test_async_vector_mode_trains(tmp_path):
 
 @pytest.mark.slow
 def test_cli_resume_continues_the_run_to_a_new_total(tmp_path):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
 
     run_dir = tmp_path / "res"
     assert main(["train", "--preset", "gridworld", "--total-timesteps", "512", "--run-dir", str(run_dir),

@@ -22,7 +22,7 @@ import torch
 from gymnasium.envs.classic_control.pendulum import PendulumEnv
 
 import ppokit
-from ppokit.cli.main import main
+from ppokit.cli import main
 from ppokit.config.ppo_config import ConfigError, PPOConfig
 from ppokit.runtime.checkpoint import BOUNDED_KEYS, WEIGHT_BOUND, CheckpointError, load_checkpoint, save_checkpoint
 from ppokit.training.trainer import CHECKPOINT_NAME, resume, train

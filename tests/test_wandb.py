@@ -109,7 +109,7 @@ def test_sink_leaves_non_finite_values_out(tmp_path, monkeypatch):
 
 
 def test_track_without_wandb_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
-    from ppokit.cli.main import main
+    from ppokit.cli import main
     from ppokit.training.trainer import train
 
     real = importlib.util.find_spec

@@ -2,7 +2,7 @@
 
 import sys
 
-from ppokit.cli.main import main
+from ppokit.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -61,7 +61,7 @@ def _is_ppokit_module(name: str) -> bool:
 
 def started_as_command(orig_argv: list[str] | None = None) -> bool:
     """Whether this interpreter was started to run ppokit's command line: ``python -m ppokit`` (or a ppokit
-    submodule, e.g. ``-m ppokit.cli.main``) or the ``ppokit`` console script, read from the interpreter's own command
+    submodule, e.g. ``-m ppokit.cli``) or the ``ppokit`` console script, read from the interpreter's own command
     line (``sys.orig_argv``), never from what a program that imports ppokit put in ``sys.argv``."""
     args = list(sys.orig_argv if orig_argv is None else orig_argv)[1:]
     i = 0
