@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import _common as C  # noqa: E402
@@ -74,11 +76,16 @@ def main(argv: list[str] | None = None) -> int:
             torch.manual_seed(0)
             policy = ActorCritic(4, kind, dims, [64, 64], "tanh")
             obs = torch.randn(B, 4)
-            fns = {"ActorCritic.act": policy.act}
+            starts = np.zeros(B, dtype=bool)
+            fns = {"ActorCritic.act": lambda x, act=policy.act, s=starts: act(x, None, s)}
             for name, mod in impls.items():
                 clone = ActorCritic(4, kind, dims, [64, 64], "tanh")
                 clone.load_state_dict(policy.state_dict())
-                fns[name] = mod.ActingKernel(clone).act
+                act = mod.ActingKernel(clone).act
+                # An acting.py from before the stateful protocol takes (obs, deterministic, out); both are wrapped
+                # alike, so the lambda's cost is the same in every column.
+                stateful = "state" in inspect.signature(act).parameters
+                fns[name] = (lambda x, act=act, s=starts: act(x, None, s)) if stateful else (lambda x, act=act: act(x))
             with torch.inference_mode():
                 times = per_call_us(fns, obs, calls, repeats)
             for name, us in times.items():

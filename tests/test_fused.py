@@ -315,11 +315,11 @@ def assert_acts_like(kernel, ref, obs, tol, deterministic=False, seed=11):
     """Same RNG state in, same actions out; logp and values within ``tol`` (relative to magnitude, at least 1)."""
     torch.manual_seed(seed)
     with torch.inference_mode():
-        a_ref, lp_ref, v_ref = ref.act(obs, deterministic)
+        a_ref, lp_ref, v_ref, _ = ref.act(obs, None, None, deterministic=deterministic)
     after_ref = torch.rand(3)
     torch.manual_seed(seed)
     with torch.inference_mode():
-        a, lp, v = kernel.act(obs, deterministic)
+        a, lp, v, _ = kernel.act(obs, None, None, deterministic=deterministic)
     # The kernel consumed exactly the random numbers the reference did: the next draws agree.
     assert torch.equal(torch.rand(3), after_ref)
     assert a.shape == a_ref.shape and lp.shape == lp_ref.shape == v.shape == v_ref.shape == (obs.shape[0],)
@@ -403,7 +403,7 @@ def test_acting_after_checkpoint_resume_matches_the_restored_policy(tmp_path):
     fresh = Trainer(PPOConfig.from_dict({**state["config"], "seed": 99}), run_dir=tmp_path / "fresh",
                     console_enabled=False)
     with torch.inference_mode():
-        fresh.acting.act(obs)
+        fresh.acting.act(obs, None, None)
     fresh._load_state(state)  # what resume() does
     assert_acts_like(fresh.acting, first.policy, obs, 1e-5)
     for t in (tr, fresh):
@@ -446,9 +446,9 @@ def test_acting_outputs_are_fresh_and_work_outside_inference_mode():
     kernel = acting_kernel(pol, opt)
     obs = torch.randn(8, pol.obs_dim)
     with torch.inference_mode():
-        a1, lp1, v1 = kernel.act(obs)  # buffers are created inside inference mode here ...
+        a1, lp1, v1, _ = kernel.act(obs, None, None)  # buffers are created inside inference mode here ...
     kept = (a1.clone(), lp1.clone(), v1.clone())
-    a2, lp2, v2 = kernel.act(torch.randn(8, pol.obs_dim))  # ... and reused with grad mode on
+    a2, lp2, v2, _ = kernel.act(torch.randn(8, pol.obs_dim), None, None)  # ... and reused with grad mode on
     assert not (lp2.requires_grad or v2.requires_grad)
     # Results of one call are not overwritten by the next (the trainer keeps them in its buffer).
     for x, y in zip((a1, lp1, v1), kept):

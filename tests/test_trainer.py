@@ -84,7 +84,7 @@ def _random_batch(policy, B=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     obs = torch.randn(B, policy.obs_dim, generator=g)
     with torch.no_grad():
-        actions, logp, values = policy.act(obs)
+        actions, logp, values, _ = policy.act(obs, None, None)
     # Perturb logp_old so that ratios spread across the clip boundary.
     logp_old = logp + 0.3 * torch.randn(B, generator=g)
     return Batch(obs, actions, logp_old, values + 0.1 * torch.randn(B, generator=g),

@@ -11,6 +11,7 @@ the same RNG state it takes the same actions. On the torch 2.13 CPU build measur
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -214,18 +215,22 @@ class ActingKernel:
         Wt, b = self._a_head
         return torch.addmm(b, ha, Wt)
 
-    def act(self, obs: Tensor, deterministic: bool = False,
-            out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """``ActorCritic.act`` on the acting weights: (actions, logp [B], values [B]), fresh tensors, or written
-        into ``out`` (three tensors of those shapes and dtypes, e.g. the rollout buffer's rows of this step:
-        the same ops with ``out=``, so the same bits, without a copy each).
+    def act(self, obs: Tensor, state: None, episode_start: Any, action_mask: None = None,
+            deterministic: bool = False, out: tuple[Tensor, Tensor, Tensor] | None = None,
+            ) -> tuple[Tensor, Tensor, Tensor, None]:
+        """``ActorCritic.act`` on the acting weights: (actions, logp [B], values [B], None), fresh tensors, or
+        written into ``out`` (three tensors of those shapes and dtypes, e.g. the rollout buffer's rows of this
+        step: the same ops with ``out=``, so the same bits, without a copy each). Stateless, as the policy:
+        ``state`` is None and ``episode_start`` is ignored. No action masks (a masked run acts eagerly).
 
         The random numbers are drawn as ``ActorCritic.sample`` draws them (one uniform or normal fill of a
         ``[B, A]`` tensor), so for the same RNG state the actions are the same.
         """
+        if action_mask is not None:
+            raise ValueError("the acting kernel has no action masks; act with the policy itself")
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self.act(obs, deterministic, out)
+                return self.act(obs, state, episode_start, None, deterministic, out)
         a_out, logp_out, v_out = (None, None, None) if out is None else out
         ha, ha_t, hc, noise = self._hidden(obs)
         wc, bc = self._c_head
@@ -253,4 +258,4 @@ class ActingKernel:
             # log N(a; mu, std) = -0.5 |(a - mu)/std|^2 - sum(log std) - D log sqrt(2 pi), from the actions as stored.
             z = torch.sub(actions, head, out=noise).mul_(self._inv_std)
             logp = torch.add(self._neg_logp_const, z.mul_(z).sum(1), alpha=-0.5, out=logp_out)
-        return actions, logp, values
+        return actions, logp, values, None

@@ -38,6 +38,8 @@ def unsupported_reason(policy: nn.Module, algo: str) -> str | None:
     """Why the fused path cannot run this policy/objective (None when it can)."""
     if not isinstance(policy, ActorCritic):
         return f"policy is a {type(policy).__name__}, not an ActorCritic"
+    if policy.initial_state(1) is not None:
+        return f"policy {type(policy).__name__} keeps a state between steps (the kernels are stateless)"
     registered = ALGOS.get(algo)
     if registered is None or not registered.fused:
         fused = ", ".join(repr(a.name) for a in ALGOS.values() if a.fused)

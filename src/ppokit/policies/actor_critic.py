@@ -74,15 +74,26 @@ class Policy(Protocol):
     Attributes: ``kind`` (``discrete`` | ``multidiscrete`` | ``continuous``), ``action_dims``, ``obs_dim`` (the
     encoded observation's element count), ``obs_encoding`` (the encoder's spec, None for a flat Box). ``actor(obs)``
     (the head: logits or Gaussian mean) and ``sample(head, deterministic)`` serve the critic-free evaluation gate.
+
+    Acting carries a state, in the shape of Stable-Baselines3's ``predict(obs, state, episode_start)`` (SB3-contrib's
+    ``RecurrentPPO``): whoever steps envs starts from ``state = initial_state(num_envs)``, passes back the state
+    each ``act`` returned, and passes ``episode_start``, a bool numpy array ``[B]`` that is True where ``obs`` is
+    the first observation of an episode (after a reset, in either autoreset mode), where a recurrent policy starts
+    that env's state afresh. A stateless (feed-forward) policy's state is None: ``initial_state`` and ``act``
+    return None and ``episode_start`` is ignored (None will do).
     """
 
     kind: str
     action_dims: list[int]
     obs_dim: int
 
-    def act(self, obs: Any, deterministic: bool = False,
-            action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """``(actions, logp [B], values [B])``; masked actions (bool ``[B, n_logits]``, False) never sampled."""
+    def initial_state(self, num_envs: int) -> Any:
+        """The state ``act`` starts ``num_envs`` envs from; None for a stateless policy."""
+
+    def act(self, obs: Any, state: Any, episode_start: Any, action_mask: Tensor | None = None,
+            deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor, Any]:
+        """``(actions, logp [B], values [B], next state)``; masked actions (bool ``[B, n_logits]``, False) never
+        sampled."""
 
     def evaluate(self, obs: Any, actions: Tensor,
                  action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,6 +118,10 @@ class PolicyBase(nn.Module):
         self.kind = kind
         self.action_dims = list(action_dims)
         self.n_out = sum(self.action_dims) if kind != "continuous" else self.action_dims[0]
+
+    def initial_state(self, num_envs: int) -> None:
+        """None: these policies are stateless (a recurrent subclass returns its zero state here)."""
+        return None
 
     def apply_mask(self, head: Tensor, action_mask: Tensor | None) -> Tensor:
         """``head`` with ``action_mask`` applied (categorical heads only); ``head`` itself without a mask."""
@@ -185,15 +200,16 @@ class ActorCritic(PolicyBase):
         """The actor's output for ``obs`` with ``action_mask`` applied (categorical heads only)."""
         return self.apply_mask(self.actor(obs), action_mask)
 
-    def act(self, obs: Tensor, deterministic: bool = False,
-            action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Acting: ``obs [B, obs_dim] -> (actions, logp [B], values [B])``; call under ``torch.inference_mode``.
-        With ``action_mask`` (bool ``[B, n_logits]``) masked actions are never sampled and ``logp`` is the masked
+    def act(self, obs: Tensor, state: None, episode_start: Any, action_mask: Tensor | None = None,
+            deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor, None]:
+        """Acting: ``obs [B, obs_dim] -> (actions, logp [B], values [B], None)``; call under
+        ``torch.inference_mode``. Stateless: ``state`` (None) and ``episode_start`` are ignored (``Policy``). With
+        ``action_mask`` (bool ``[B, n_logits]``) masked actions are never sampled and ``logp`` is the masked
         distribution's, as ``evaluate`` recomputes it."""
         head = self.masked_head(obs, action_mask)
         actions = self.sample(head, deterministic)
         logp, _ = self.log_prob_entropy(head, actions)
-        return actions, logp, self.value(obs)
+        return actions, logp, self.value(obs), None
 
     def evaluate(self, obs: Tensor, actions: Tensor,
                  action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -22,6 +22,7 @@ to the flat-MLP ``ActorCritic`` (``mlp_backward.unsupported_reason`` says so for
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -129,14 +130,15 @@ class EncoderActorCritic(PolicyBase):
         """State values ``[B]``."""
         return self.critic_head(self.trunk(obs)).squeeze(-1)
 
-    def act(self, obs, deterministic: bool = False,
-            action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """``(actions, logp [B], values [B])`` with one trunk pass; call under ``torch.inference_mode``."""
+    def act(self, obs, state: None, episode_start: Any, action_mask: Tensor | None = None,
+            deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor, None]:
+        """``(actions, logp [B], values [B], None)`` with one trunk pass; call under ``torch.inference_mode``.
+        Stateless: ``state`` (None) and ``episode_start`` are ignored (``Policy``)."""
         features = self.trunk(obs)
         head = self.apply_mask(self.actor_head(features), action_mask)
         actions = self.sample(head, deterministic)
         logp, _ = self.log_prob_entropy(head, actions)
-        return actions, logp, self.critic_head(features).squeeze(-1)
+        return actions, logp, self.critic_head(features).squeeze(-1), None
 
     def evaluate(self, obs, actions: Tensor,
                  action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -14,6 +14,10 @@ the update, the logger or checkpoints. What it handles:
   ``info["action_mask"]`` (Gymnasium's Taxi convention; a vector env batches it, ``info["_action_mask"]`` flags
   the envs that sent one) or else from each sub-env's ``action_masks()`` method (SB3-contrib's convention), acted
   on and stored in the buffer; an env without masks stores and computes nothing more;
+* the policy's state (``policies.Policy``): ``policy.initial_state(num_envs)`` after a reset, passed to each
+  ``act`` with ``episode_start`` (True where the observation is an episode's first: the previous step's done
+  flags under SAME_STEP, the flags of the step before it under NEXT_STEP, where the step between only resets),
+  and carried from one rollout to the next (None for a stateless policy: nothing is computed for it);
 * every second of the rollout booked to ``perf``: acting to "inference", stepping and result handling to "env";
 * one in-process env on the CPU (MuJoCo's setting): the same loop on scalars, ``one_env.py``, bit for bit.
 
@@ -92,6 +96,7 @@ class Collector:
         self.ep_return = np.zeros(N, dtype=np.float64)  # raw, unscaled rewards
         self.ep_length = np.zeros(N, dtype=np.int64)
         self.prev_done = np.zeros(N, dtype=bool)
+        self.fresh_policy_state()
         self.last_obs: torch.Tensor | None = None  # [N, obs_dim] the normalized obs after the rollout (GAE's bootstrap)
         self._one_env = self.one_env_path and one_env.applies(self)
 
@@ -101,6 +106,11 @@ class Collector:
     watchdog: Any = NO_WATCHDOG
 
     # ------------------------------------------------------------------ loop state
+    def fresh_policy_state(self) -> None:
+        """Every env's policy state started afresh (``policy.initial_state``), each marked as an episode start."""
+        self.policy_state = self.policy.initial_state(self.num_envs)  # None for a stateless policy
+        self.episode_start = np.ones(self.num_envs, dtype=bool)  # [N] read by act, never written in place
+
     def reset(self, seed: int) -> None:
         """Reset every env (seeded) and check what it returned."""
         probed = _PROBE_RESETS.pop(self.envs, None)
@@ -114,6 +124,7 @@ class Collector:
                 raise env_failure(self.env_id, "reset()", 0, exc, self.envs) from exc
         self.next_obs_raw = check_obs_batch(obs, self.num_envs, self.envs.single_observation_space, self.env_id,
                                             "reset()", 0)
+        self.fresh_policy_state()
         if self.masked:
             try:
                 self.next_mask = read_action_masks(self.envs, info, self.mask_dim, obs=obs)
@@ -134,7 +145,9 @@ class Collector:
         return state
 
     def load_loop_state(self, loop: dict[str, torch.Tensor]) -> None:
-        """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes)."""
+        """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes).
+        The policy's state is not in it: every env's starts afresh."""
+        self.fresh_policy_state()
         self.next_obs_raw = obs_map(lambda t: t.numpy().copy(), loop["next_obs_raw"])
         self.ep_return = loop["ep_return"].numpy().copy()
         self.ep_length = loop["ep_length"].numpy().copy()
@@ -165,6 +178,7 @@ class Collector:
         encode, check_values = self.encoder.encode, self.encoder.check_values  # check_values: None for a Box
         rollout_start = step = global_step  # the step count the last update's state belongs to
         act = self.acting.act
+        state, episode_start, same_step = self.policy_state, self.episode_start, self.same_step
         watchdog = self.watchdog
         obs = self.normalize(obs_to_tensor(self.next_obs_raw, dev))
         hn = self.host_norm if self.host_norm is not None and self.host_norm.load() else None
@@ -186,10 +200,10 @@ class Collector:
                 mask = torch.as_tensor(self.next_mask, device=dev)
                 buf.masks[t].copy_(mask)
                 with inference:
-                    actions, logp, values = act(obs, action_mask=mask)
+                    actions, logp, values, state = act(obs, state, episode_start, mask)
             else:
                 with inference:
-                    actions, logp, values = act(obs)
+                    actions, logp, values, state = act(obs, state, episode_start)
             obs_copy_(obs_views[t], obs)
             for dest, src in zip(step_views[t], (actions, logp, values)):
                 dest.copy_(src)
@@ -252,6 +266,9 @@ class Collector:
                 ep_lengths.append(self.ep_length[ended])
             self.ep_return[done] = 0.0
             self.ep_length[done] = 0
+            # The next observation starts an episode where this step ended one (SAME_STEP), or where this step
+            # was the reset that follows an end (NEXT_STEP).
+            episode_start = done if same_step else self.prev_done
             self.prev_done = done
 
             host[0, t], host[1, t], host[2, t], host[3, t] = reward, terminated, truncated, valid
@@ -276,6 +293,7 @@ class Collector:
             if self.same_step and truncated.any():
                 self._bootstrap_truncated(t, truncated, info, step, rollout_start)
             self.next_obs_raw = next_obs
+        self.policy_state, self.episode_start = state, episode_start
         if nonfinite and not host[3].any():
             # Every step was NaN/Inf (a None reward becomes NaN in a vector env): nothing to train on.
             raise self.fail(step, rollout_start, detail=(
@@ -476,8 +494,13 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
                             action_bounds: tuple[np.ndarray, np.ndarray] | None,
                             fail: Callable[[str, BaseException], EnvError], watchdog: Any = NO_WATCHDOG) -> float:
     """Mean return of the first episode of each env of ``envs``, acting deterministically on ``actor``'s output
-    (logits or Gaussian mean: no critic, no log-prob). ``fail(phase, exc)`` builds the error an env failure
-    raises; ``watchdog`` bounds each reset and step (``envs.watchdog``)."""
+    (logits or Gaussian mean: no critic, no log-prob), or on ``policy.act`` with its state for a stateful policy.
+    ``fail(phase, exc)`` builds the error an env failure raises; ``watchdog`` bounds each reset and step
+    (``envs.watchdog``)."""
+    import gymnasium as gym
+
+    from ppokit.envs.factory import autoreset_mode
+
     n, space = envs.num_envs, envs.single_observation_space
     masked = policy.kind != "continuous" and action_masks_available(envs)
     mask_dim = sum(policy.action_dims)
@@ -492,13 +515,16 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
         raise fail("evaluation reset()", exc) from exc
     device = next(policy.parameters()).device
     total, running = np.zeros(n), np.ones(n, dtype=bool)
+    state, episode_start, prev_done = policy.initial_state(n), np.ones(n, dtype=bool), np.zeros(n, dtype=bool)
+    same_step = autoreset_mode(envs) == gym.vector.AutoresetMode.SAME_STEP
     for _ in range(max_steps):
         obs_t = obs_to_tensor(obs, device)
+        mask_t = None if mask is None else torch.as_tensor(mask, device=device)
         with torch.inference_mode():
-            head = actor(normalize(obs_t))
-            if mask is not None:
-                head = mask_logits(head, torch.as_tensor(mask, device=device))
-            actions = policy.sample(head, deterministic=True)
+            if state is None:
+                actions = policy.sample(mask_logits(actor(normalize(obs_t)), mask_t), deterministic=True)
+            else:
+                actions, _, _, state = policy.act(normalize(obs_t), state, episode_start, mask_t, deterministic=True)
         actions = actions.cpu().numpy()
         if action_bounds is not None:
             actions = np.clip(actions, *action_bounds)
@@ -513,7 +539,9 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
             raise fail("evaluation step()", exc) from exc
         # Only each env's first episode counts; whatever follows an autoreset is ignored.
         total += np.where(running, np.asarray(reward, dtype=np.float64), 0.0)
-        running &= ~(np.asarray(terminated, dtype=bool) | np.asarray(truncated, dtype=bool))
+        done = np.asarray(terminated, dtype=bool) | np.asarray(truncated, dtype=bool)
+        running &= ~done
+        episode_start, prev_done = (done if same_step else prev_done), done
         if not running.any():
             break
     return float(total.mean())

@@ -12,7 +12,9 @@ same things on Python scalars:
   ``out``), and acts on the buffer's observation row, where the normalized observation was written;
 * rewards, flags and episode statistics are Python floats and bools (the same IEEE-754 double arithmetic as the
   general loop's float64 arrays), written into numpy views of the buffer;
-* the normalizers are the host ones (``hostnorm``), as in the general loop with one env.
+* the normalizers are the host ones (``hostnorm``), as in the general loop with one env;
+* the policy's state and ``episode_start`` are carried as there, ``episode_start`` one of two read-only ``[1]``
+  arrays (no array made per step).
 
 What it handles is what the general loop handles for such an env: both autoreset modes, NaN/Inf from the env
 (counted, zeroed, not trained on), the SAME_STEP truncation bootstrap, the env checks (a malformed result fails
@@ -36,6 +38,11 @@ from ppokit.envs.watchdog import EnvTimeout
 
 __all__ = ["applies", "collect_one_env"]
 
+# ``episode_start`` of the one env, indexed by the flag: the arrays are shared, so nobody may write them.
+_EPISODE_START = (np.zeros(1, dtype=bool), np.ones(1, dtype=bool))
+for _flag in _EPISODE_START:
+    _flag.flags.writeable = False
+
 
 def applies(c: Any) -> bool:
     """Whether collector ``c`` can run this loop: one in-process env (``one_env_steppable``) with Box observations
@@ -56,6 +63,7 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
     t_start = time.perf_counter()
     rollout_start = step = global_step
     act = c.acting.act
+    state, episode_start = c.policy_state, c.episode_start
     watchdog = c.watchdog
     kernel = getattr(c.acting, "writes_into_out", False)  # an acting object that takes ``out=`` says so
     # numpy views of the buffer (CPU tensors share their memory); the rows the step-t results go to.
@@ -82,7 +90,7 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
 
     def write_back() -> None:
         c.ep_return[0], c.ep_length[0], c.prev_done[0] = ep_ret, ep_len, prev_done
-        c.next_obs_raw = next_raw
+        c.next_obs_raw, c.policy_state, c.episode_start = next_raw, state, episode_start
 
     def normalized_into(dest: np.ndarray, raw: np.ndarray, update: bool) -> None:
         if obs_norm is None:
@@ -98,10 +106,10 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
         t0 = time.perf_counter()
         if kernel:
             with inference:
-                act(obs_rows[t], out=(act_rows[t], logp_rows[t], value_rows[t]))
+                state = act(obs_rows[t], state, episode_start, out=(act_rows[t], logp_rows[t], value_rows[t]))[3]
         else:
             with inference:
-                actions, logp, values = act(obs_rows[t])
+                actions, logp, values, state = act(obs_rows[t], state, episode_start)
             act_rows[t].copy_(actions)
             logp_rows[t].copy_(logp)
             value_rows[t].copy_(values)
@@ -144,6 +152,8 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
                 ep_lengths.append(ep_len)
         if done:
             ep_ret, ep_len = 0.0, 0
+        # As in the general loop: this step ended an episode (SAME_STEP) or was the reset after one (NEXT_STEP).
+        episode_start = _EPISODE_START[done if same_step else prev_done]
         prev_done = done
         rew_np[t] = hn.scale(reward, done) if scaler is not None else reward
         term_np[t], trunc_np[t], valid_np[t] = terminated, truncated, valid

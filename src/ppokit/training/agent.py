@@ -47,6 +47,7 @@ class Agent:
         self.device = next(policy.parameters()).device
         # How observations become the policy's inputs, as in training (a Box: flattened; Discrete: one-hot).
         self.encoder = encoder_from_spec(getattr(policy, "obs_encoding", None), policy.obs_dim)
+        self.stateful = policy.initial_state(1) is not None  # a recurrent policy acts through predict()
 
     def _obs(self, obs: Any) -> tuple[Any, bool]:
         if isinstance(self.encoder, (ImageEncoder, DictEncoder)):
@@ -85,22 +86,33 @@ class Agent:
     def act(self, obs: Any, deterministic: bool = True, action_mask: Any = None) -> np.ndarray:
         """Actions for one observation or a batch ``[B, ...]``; continuous actions clipped to the env bounds.
         ``action_mask`` (``[n_actions]`` or ``[B, n_actions]``, bool or 0/1, True = allowed; e.g. the env's
-        ``info["action_mask"]``) keeps masked actions from being chosen, as in training."""
+        ``info["action_mask"]``) keeps masked actions from being chosen, as in training. A stateful policy acts
+        through ``predict``, which carries its state."""
+        if self.stateful:
+            raise ValueError("this policy keeps a state between steps: act with agent.predict(obs, state, "
+                             "episode_start), passing back the state it returns")
         x, single = self._obs(obs)
-        mask = None
-        if action_mask is None and isinstance(self.encoder, DictEncoder):
-            action_mask = self.encoder.mask(obs)  # a Dict observation's "action_mask" entry (PettingZoo)
-        if action_mask is not None:
-            if self.policy.kind == "continuous":
-                raise ValueError("action_mask applies to Discrete and MultiDiscrete actions, not continuous ones")
-            rows = len(next(iter(x.values()))) if isinstance(x, dict) else x.shape[0]
-            mask = torch.as_tensor(np.asarray(action_mask) != 0, device=self.device).reshape(rows, -1)
-            if mask.shape[1] != sum(self.policy.action_dims):
-                raise ValueError(f"action_mask has {mask.shape[1]} entries per observation, expected "
-                                 f"{sum(self.policy.action_dims)}")
+        mask = self._mask(obs, x, action_mask)
         with torch.inference_mode():
             head = mask_logits(self.policy.actor(x), mask)
             actions = self.policy.sample(head, deterministic).cpu().numpy()
+        return self._env_actions(actions, single)
+
+    def _mask(self, obs: Any, x: Any, action_mask: Any) -> torch.Tensor | None:
+        """``action_mask`` (or a Dict observation's own) as a bool ``[B, n_logits]`` tensor; None without one."""
+        if action_mask is None and isinstance(self.encoder, DictEncoder):
+            action_mask = self.encoder.mask(obs)  # a Dict observation's "action_mask" entry (PettingZoo)
+        if action_mask is None:
+            return None
+        if self.policy.kind == "continuous":
+            raise ValueError("action_mask applies to Discrete and MultiDiscrete actions, not continuous ones")
+        mask = torch.as_tensor(np.asarray(action_mask) != 0, device=self.device).reshape(_rows(x), -1)
+        if mask.shape[1] != sum(self.policy.action_dims):
+            raise ValueError(f"action_mask has {mask.shape[1]} entries per observation, expected "
+                             f"{sum(self.policy.action_dims)}")
+        return mask
+
+    def _env_actions(self, actions: np.ndarray, single: bool) -> np.ndarray:
         if self.policy.kind == "continuous" and self.action_low is not None:
             actions = np.clip(actions, self.action_low, self.action_high)
         return actions[0] if single else actions
@@ -108,10 +120,25 @@ class Agent:
     def predict(self, obs: Any, state: Any = None, episode_start: Any = None, deterministic: bool = False,
                 action_mask: Any = None) -> tuple[np.ndarray, Any]:
         """``(actions, state)`` in Stable-Baselines3's shape (``model.predict(obs, state, episode_start,
-        deterministic)``), so SB3 evaluation loops run unchanged. A feed-forward policy has no recurrent state: it
-        returns ``state`` as given (None) and ignores ``episode_start``. Unlike ``act``, ``deterministic`` defaults
-        to False, as in SB3."""
-        return self.act(obs, deterministic=deterministic, action_mask=action_mask), state
+        deterministic)``), so SB3 evaluation loops run unchanged. A stateful policy (``Policy.act``) starts from
+        its initial state when ``state`` is None; pass back the state it returned, with ``episode_start`` (``[B]``,
+        True where ``obs`` is an episode's first; None: no episode starts). A feed-forward policy returns ``state``
+        as given (None) and ignores ``episode_start``. Unlike ``act``, ``deterministic`` defaults to False, as in
+        SB3."""
+        if not self.stateful:
+            return self.act(obs, deterministic=deterministic, action_mask=action_mask), state
+        x, single = self._obs(obs)
+        rows = _rows(x)
+        mask = self._mask(obs, x, action_mask)
+        starts = np.zeros(rows, dtype=bool) if episode_start is None \
+            else np.asarray(episode_start, dtype=bool).reshape(-1)
+        if starts.shape != (rows,):
+            raise ValueError(f"episode_start has {starts.size} entries, expected {rows} (one per observation)")
+        if state is None:
+            state = self.policy.initial_state(rows)
+        with torch.inference_mode():
+            actions, _, _, state = self.policy.act(x, state, starts, mask, deterministic)
+        return self._env_actions(actions.cpu().numpy(), single), state
 
     def value(self, obs: Any) -> np.ndarray | float:
         """V(obs) for one observation (a float) or a batch (``[B]`` array)."""
@@ -119,6 +146,11 @@ class Agent:
         with torch.inference_mode():
             v = self.policy.value(x).cpu().numpy()
         return float(v[0]) if single else v
+
+
+def _rows(x: Any) -> int:
+    """The batch size of an encoded observation batch (a tensor, or a dict of parts)."""
+    return len(next(iter(x.values()))) if isinstance(x, dict) else x.shape[0]
 
 
 def _add_batch_axis(obs: Any, encoder: DictEncoder) -> Any:
@@ -436,9 +468,11 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
     try:
         for ep in range(episodes):
             obs, info = env_call("reset()", env.reset, seed=seed + ep)
-            total, n, done = 0.0, 0, False
+            total, n, done, state = 0.0, 0, False, None
             while not done:
-                action = agent.act(obs, deterministic=deterministic, action_mask=_env_mask(env, info, agent.policy))
+                # predict: a stateful policy gets its state back each step (a fresh one each episode).
+                action, state = agent.predict(obs, state, n == 0, deterministic=deterministic,
+                                              action_mask=_env_mask(env, info, agent.policy))
                 obs, reward, terminated, truncated, info = env_call("step()", env.step, action)
                 total += float(reward)
                 n += 1

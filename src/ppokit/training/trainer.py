@@ -92,7 +92,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
 
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
-                 env: Any = None, callbacks: Any = None, rollout: Any = None):
+                 env: Any = None, callbacks: Any = None, rollout: Any = None, policy: Any = None):
         from ppokit.envs import check_env_id, check_spaces, resolve_env
         from ppokit.runtime.logger import MetricsLogger
         from ppokit.training.callbacks import CallbackList
@@ -133,7 +133,14 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         except ConfigError:
             self.envs.close()
             raise
-        self.policy = build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation).to(self.device)
+        # ``policy``: a factory (observation space, action space, config) -> Policy, e.g. a registered type (the
+        # memory check above counted the default policy's parameters).
+        try:
+            self.policy = (build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation) if policy is None
+                           else policy(obs_space, act_space, cfg)).to(self.device)
+        except BaseException:
+            self.envs.close()
+            raise
         self.obs_dim = self.policy.obs_dim
         # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
         # An env with action masks trains by autograd: the fused kernel (and its acting kernel) has no masks.
@@ -517,7 +524,7 @@ def _adam_kwargs(device: torch.device) -> dict:
 
 def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: Any = None,
           console_enabled: bool = True, overwrite: bool = False, env: Any = None, callbacks: Any = None,
-          rollout: Any = None, **overrides: Any) -> Run:
+          rollout: Any = None, policy: Any = None, **overrides: Any) -> Run:
     """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
 
     ``config`` may be an env id: ``train("CartPole-v1")`` trains ``PPOConfig.for_env("CartPole-v1")``, the
@@ -538,24 +545,27 @@ def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: A
 
     ``rollout``: a rollout backend instead of ``collector.Collector`` (a callable taking Collector's arguments and
     returning a ``rollout_source.RolloutSource``), e.g. remote rollout workers; the learner is unchanged.
+
+    ``policy``: a factory ``(observation_space, action_space, config) -> Policy`` instead of
+    ``policies.build_policy`` (e.g. a type registered with ``register_policy``, so ``load`` rebuilds it).
     """
     if isinstance(config, str):
         config = PPOConfig.for_env(config, **overrides)
     elif overrides:
         config = PPOConfig.from_dict(overrides, config)
     return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled,
-                   overwrite=overwrite, env=env, callbacks=callbacks, rollout=rollout).run()
+                   overwrite=overwrite, env=env, callbacks=callbacks, rollout=rollout, policy=policy).run()
 
 
 def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
            console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = (), env: Any = None,
-           callbacks: Any = None, rollout: Any = None) -> Run:
+           callbacks: Any = None, rollout: Any = None, policy: Any = None) -> Run:
     """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
 
     A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
     checkpoint alone never decides what code is imported. A run trained on a custom env (``train(env=factory)``)
     needs that env again as ``env``; ``env`` may also replace a stored id. A damaged, diverged or mismatched
-    checkpoint raises ``CheckpointError``. ``callbacks`` and ``rollout`` as for ``train``.
+    checkpoint raises ``CheckpointError``. ``callbacks``, ``rollout`` and ``policy`` as for ``train``.
     """
     from ppokit.training.agent import stored_config
 
@@ -566,5 +576,5 @@ def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any
     if total_timesteps is not None:
         config.total_timesteps = total_timesteps
     trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state,
-                      env=env, callbacks=callbacks, rollout=rollout)
+                      env=env, callbacks=callbacks, rollout=rollout, policy=policy)
     return trainer.run()
