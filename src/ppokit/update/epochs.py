@@ -30,7 +30,7 @@ __all__ = ["Batch", "UpdateSettings", "MinibatchResult", "UpdateStep", "SyncHook
 STAT_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "approx_kl_k1", "clipfrac", "grad_norm")
 
 # Early stopping fires when a minibatch's approx KL exceeds KL_STOP_FACTOR x target_kl (SB3's margin): it lets the
-# KL fluctuate around its target without stopping every update. Defined once, with the lessons' thresholds.
+# KL fluctuate around its target without stopping every update. Defined once, in the schema.
 from ppokit.core.algos import UpdateSettings  # noqa: E402,F401  (the epoch loop's settings; importable from here)
 from ppokit.core.schema import KL_STOP_FACTOR  # noqa: E402
 
