@@ -130,21 +130,22 @@ def test_update_diagnostics_match_independent_recomputation():
     assert stats["grad_norm"] > 0
 
 
-def test_trainer_explained_variance_is_recomputed_from_its_batch(tmp_path, monkeypatch):
+def test_trainer_explained_variance_is_recomputed_from_its_batch(tmp_path):
     """The logged diag/explained_variance of every update is 1 - Var(R - V_old) / Var(R) of that update's batch
     (the critic's rollout-time values against the GAE returns), recomputed here in float64 numpy."""
     manual: list[float] = []
-    real = Trainer.compute_advantages
+    trainer = Trainer(small_gridworld(tmp_path), console_enabled=False)
+    real = trainer.compute_advantages
 
-    def spy(self):
-        batch, advantages, returns = real(self)
+    def spy():
+        batch, advantages, returns = real()
         # Read now: the batch views the rollout buffer, which the next rollout overwrites.
         v, r = batch.values_old.double().numpy(), batch.returns.double().numpy()
         manual.append(1.0 - np.var(r - v) / np.var(r))
         return batch, advantages, returns
 
-    monkeypatch.setattr(Trainer, "compute_advantages", spy)
-    run = train(small_gridworld(tmp_path), console_enabled=False)
+    trainer.compute_advantages = spy
+    run = trainer.run()
     logged = [m["diag/explained_variance"] for m in run.metrics]
     assert len(logged) == len(manual) == 8
     assert logged == pytest.approx(manual, rel=1e-4, abs=1e-5)
