@@ -212,25 +212,30 @@ def test_python_constructed_configs_are_type_checked_too():
 
 
 # ------------------------------------------------------------------ resume
-@pytest.fixture
-def fake_resume(monkeypatch):
-    calls = []
-
-    class Done:
-        run_dir, interrupted = "r", False
-
-    def resume(run_dir, total_timesteps=None, **kw):
-        calls.append(total_timesteps)
-        return Done()
-
-    monkeypatch.setattr("ppokit.training.trainer.resume", resume)
-    return calls
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """One real gridworld run of one batch (256 steps), saved; tests copy it before resuming it."""
+    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    assert main(["train", "--preset", "gridworld", "--total-timesteps", "256", "--run-dir", str(run_dir),
+                 "--quiet", "--no-tensorboard"]) == 0
+    return run_dir
 
 
-def test_resume_takes_total_timesteps_written_like_a_fresh_run(fake_resume, tmp_path):
-    assert main(["train", "--resume", str(tmp_path), "--total-timesteps", "1e5", "--quiet"]) == 0
-    assert main(["train", "--resume", str(tmp_path), "--quiet"]) == 0
-    assert fake_resume == [100_000, None]
+def _saved_step(run_dir) -> int:
+    from ppokit.runtime.checkpoint import load_checkpoint
+
+    return int(load_checkpoint(run_dir / "checkpoint.pt")["global_step"])
+
+
+def test_resume_takes_total_timesteps_written_like_a_fresh_run(trained_run, tmp_path):
+    import shutil
+
+    run_dir = shutil.copytree(trained_run, tmp_path / "run")
+    assert _saved_step(run_dir) == 256
+    assert main(["train", "--resume", str(run_dir), "--total-timesteps", "5.12e2", "--quiet"]) == 0
+    assert _saved_step(run_dir) == 512  # 5.12e2 read as 512, as a fresh run reads it
+    assert main(["train", "--resume", str(run_dir), "--quiet"]) == 0
+    assert _saved_step(run_dir) == 512  # no --total-timesteps: the checkpoint's total, already reached
 
 
 @pytest.mark.parametrize("argv,field", [
@@ -241,13 +246,15 @@ def test_resume_takes_total_timesteps_written_like_a_fresh_run(fake_resume, tmp_
     (["--total-timesteps", "1e999"], "total_timesteps"),
     (["--total-timesteps", "0"], "total_timesteps"),
 ])
-def test_resume_refuses_every_other_flag_and_says_which_it_accepts(argv, field, fake_resume, tmp_path, capsys):
-    assert main(["train", "--resume", str(tmp_path), "--quiet", *argv]) == 2
+def test_resume_refuses_every_other_flag_and_says_which_it_accepts(argv, field, trained_run, capsys):
+    before = {name: (trained_run / name).read_bytes() for name in ("checkpoint.pt", "metrics.csv")}
+    assert main(["train", "--resume", str(trained_run), "--quiet", *argv]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"'{field}'" in err and "Traceback" not in err
     if field not in ("total_timesteps",):
         assert "--resume accepts only --total-timesteps" in err
-    assert fake_resume == []  # refused before the checkpoint was touched
+    # refused before the run was touched
+    assert {name: (trained_run / name).read_bytes() for name in before} == before
 
 
 # ------------------------------------------------------------------ a bare --env gets the planner's config
