@@ -9,9 +9,9 @@ summed, ``diag/`` the health diagnostics (means over every minibatch of the upda
 only columns that differ between two runs of one seed).
 
 Thresholds are the standard PPO debugging bands (docs/diagnostics.md, "Live alerts"): approx KL should stay in
-[0, 0.02] and an update past 0.1 has left the trust region; the clip fraction is healthy at 0.1-0.3, ~0 means the clip never fires, sustained above 0.4 means
-over-fitting the rollout (drift); explained variance should climb towards 1; KL early stopping fires at
-1.5 x target_kl.
+[0, 0.02] and an update past 0.1 has left the trust region; the clip fraction is healthy at 0.1-0.3, ~0 means
+the clip never fires, sustained above 0.4 means over-fitting the rollout (drift); explained variance should
+climb towards 1; KL early stopping fires at 1.5 x target_kl.
 """
 
 from __future__ import annotations
