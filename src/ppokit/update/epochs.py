@@ -3,7 +3,7 @@
 ``ppo_epochs`` owns what does not depend on how the gradient is computed: the per-epoch shuffle, the minibatch
 split, the two guards checked before each optimizer step (the non-finite skip and KL early stopping) and the
 means of the diagnostics over the minibatches that were applied. How one minibatch's loss, gradient and
-diagnostics are computed, and how its step is applied, is an ``UpdateStep``: ``update.AutogradStep`` (eager
+diagnostics are computed, and how its step is applied, is an ``UpdateStep``: ``autograd.AutogradStep`` (eager
 autograd, the reference, any policy and objective) and ``fused_step.FusedStep`` (the hand-derived MLP backward on
 ``FlatAdam``'s flat buffer) implement it.
 
