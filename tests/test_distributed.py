@@ -8,6 +8,7 @@ the merges against direct computations.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -234,6 +235,16 @@ def test_combine_moments_equals_the_moments_of_the_concatenation():
     torch.testing.assert_close(v, allx.var(0, unbiased=False), rtol=0, atol=1e-12)
 
 
+def _two_ranks_gather(monkeypatch, peer_rows):
+    """``torch.distributed.all_gather`` of a two-rank job as rank 0 sees it: its own tensor, then ``next(peer_rows)``
+    as rank 1's (the collective replaced, not ppokit's code around it)."""
+    def all_gather(out, t):
+        out[0].copy_(t)
+        out[1].copy_(next(peer_rows))
+
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+
+
 def test_merged_normalizer_statistics_equal_one_normalizer_over_every_rank_batch(monkeypatch):
     """Rank 0's RunningMeanStd, merging a peer's batches through ``Dist.merge_moments`` (the all-gather replaced
     by the peer's row), ends where one RunningMeanStd fed both ranks' batches ends."""
@@ -243,7 +254,7 @@ def test_merged_normalizer_statistics_equal_one_normalizer_over_every_rank_batch
     dist = Dist(rank=0, world_size=2)
     rows = iter([torch.cat([torch.tensor([4.0], dtype=torch.float64), b.mean(0), b.var(0, unbiased=False)])
                  for b in peer])
-    monkeypatch.setattr(dist, "_gather_tensor", lambda row: torch.stack([row, next(rows)]))
+    _two_ranks_gather(monkeypatch, rows)
     merged, reference = RunningMeanStd(2), RunningMeanStd(2)
     merged.reduce = dist.merge_moments
     for a, b in zip(mine, peer):
@@ -442,7 +453,7 @@ def test_whitening_over_the_ranks_equals_normalize_over_the_whole_batch(monkeypa
     peer_row = torch.tensor([float(peer.numel()), float(peer.mean()), float(peer.var(unbiased=False))],
                             dtype=torch.float64)
     dist = Dist(rank=0, world_size=2)
-    monkeypatch.setattr(dist, "_gather_tensor", lambda row: torch.stack([row, peer_row]))
+    _two_ranks_gather(monkeypatch, itertools.repeat(peer_row))
     torch.testing.assert_close(dist.whiten(x[:3], mask[:3]), normalize(x, mask=mask)[:3], rtol=0, atol=1e-6)
     assert torch.equal(distributed.LOCAL.whiten(x, mask), normalize(x, mask=mask))
 
@@ -471,12 +482,16 @@ def test_logged_diagnostics_are_those_of_both_ranks_data_together(monkeypatch):
     ep_mine, ep_theirs = [(10.0, 10), (20.0, 20)], [(40.0, 40)]
     peer = Dist(rank=1, world_size=2)
     captured = {}
-    monkeypatch.setattr(peer, "_gather",
-                        lambda row: captured.setdefault("row", torch.tensor(row, dtype=torch.float64)).expand(2, -1))
+
+    def peer_gather(out, t):  # rank 1's all_gather: keep the row it sends
+        captured["row"] = t.clone()
+        for o in out:
+            o.copy_(t)
+
+    monkeypatch.setattr(torch.distributed, "all_gather", peer_gather)
     peer.diagnostics(ep_theirs, *theirs, nonfinite_env=1, advantages_nonfinite=2.0)
     dist = Dist(rank=0, world_size=2)
-    monkeypatch.setattr(dist, "_gather", lambda row: torch.stack([torch.tensor(row, dtype=torch.float64),
-                                                                   captured["row"].double()]))
+    _two_ranks_gather(monkeypatch, itertools.repeat(captured["row"]))
     got = dist.diagnostics(ep_mine, *mine, nonfinite_env=0, advantages_nonfinite=0.0)
     v, y, r, a = (torch.cat([m, t]).double() for m, t in zip(mine, theirs))
     assert got[S.EPISODIC_RETURN] == pytest.approx(70 / 3) and got[S.EPISODES] == 3
@@ -496,11 +511,15 @@ def test_every_rank_runs_the_minibatch_count_of_the_smallest_batch(monkeypatch):
     s = UpdateSettings(algo="ppo", update_epochs=1, num_minibatches=4, clip_coef=0.2, clip_vloss=True,
                        norm_adv=True, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, target_kl=None)
     dist = Dist(rank=0, world_size=2)
-    monkeypatch.setattr(dist, "_reduce", lambda values, op=None: [min(values[0], 3.0)])  # the peer kept 3
+    def all_reduce_min_with_3(t, op=None):  # the peer kept 3
+        assert op == torch.distributed.ReduceOp.MIN
+        t.clamp_(max=3.0)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce_min_with_3)
     agreed = dist.agree_minibatches(s, 64)
     assert agreed.num_minibatches == 3 and len(minibatch_sizes(64, agreed.num_minibatches)) == len(
         minibatch_sizes(3, 4))
-    monkeypatch.setattr(dist, "_reduce", lambda values, op=None: [values[0]])
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: None)  # the peer kept as many
     assert dist.agree_minibatches(s, 64) is s and distributed.LOCAL.agree_minibatches(s, 3) is s
 
 

@@ -58,7 +58,7 @@ def test_learning_rate_zero_is_an_optimization_link_problem(tmp_path, capsys):
     run_dir = _run(tmp_path, "lr0", learning_rate=0.0, total_timesteps=6000)
     d, cause = _first(run_dir)
     assert cause == "lr_zero", d.to_text()
-    # The lesson's Q3 order was followed: the signal passed, the optimization link failed.
+    # The debugging checklist's order was followed: the signal passed, the optimization link failed.
     assert d.checks[0].startswith("1 signal validity") and "ok" in d.checks[0]
     assert "PROBLEM" in d.checks[1]
     assert main(["doctor", str(run_dir), "--json"]) == 1
@@ -171,7 +171,7 @@ def test_kl_monitoring_off_is_said_by_the_doctor(tmp_path):
                             "the run"]
 
 
-def test_the_doctor_runs_its_rules_in_the_lessons_order():
+def test_the_doctor_runs_its_rules_in_the_debugging_checklists_order():
     from ppokit.analysis.doctor import RULES
 
     names = [r.__name__.removeprefix("_rule_") for r in RULES]

@@ -46,7 +46,7 @@ def test_objective_command_in_process(tmp_path, capsys, monkeypatch):
     assert ppokit.cli.main(["objective", "--out", str(out)]) == 0
     _assert_png(out)
     printed = capsys.readouterr().out
-    for value in ("2.4", "-1.6", "-2.8"):  # the lesson's worked cases at eps = 0.2
+    for value in ("2.4", "-1.6", "-2.8"):  # the worked cases at eps = 0.2
         assert value in printed
     for column in ("ratio", "advantage", "r*A", "clip(r)*A", "objective", "gradient"):
         assert column in printed

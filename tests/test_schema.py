@@ -1,5 +1,5 @@
 """The metric schema is the single source of metric names and thresholds: the trainer logs exactly its names, the
-thresholds are the lessons' numbers, and no other module types a metric name the schema does not define."""
+thresholds are the standard PPO debugging bands, and no other module types a metric name the schema does not define."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def test_every_logged_metric_is_in_the_schema(tmp_path):
         assert m.meaning, m.name
 
 
-def test_thresholds_are_the_lessons_numbers():
-    # Lesson: approx KL should stay in [0, 0.02], past 0.1 lower K or LR; clip fraction 0.1-0.3 healthy, sustained
+def test_thresholds_are_the_standard_bands():
+    # approx KL should stay in [0, 0.02], past 0.1 lower K or LR; clip fraction 0.1-0.3 healthy, sustained
     # above 0.4 is drift; KL early stop at 1.5 x target_kl; explained variance climbs from 0 towards 1.
     assert (S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HIGH, S.KL_STOP_FACTOR, S.EV_MIN) == (0.02, 0.1, 0.4, 1.5, 0.0)
     assert S.CLIPFRAC_HEALTHY == (0.1, 0.3)
@@ -88,11 +88,11 @@ def test_no_module_invents_a_metric_name(module):
 
 
 def test_from_schema_only_modules_type_no_threshold():
-    # The lessons' numbers (0.02, 0.1, 0.4, 1.5) are the schema's; a literal of them elsewhere is a second copy.
-    lessons = {S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HIGH, S.KL_STOP_FACTOR}
+    # The thresholds (0.02, 0.1, 0.4, 1.5) are the schema's; a literal of them elsewhere is a second copy.
+    thresholds = {S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HIGH, S.KL_STOP_FACTOR}
     for name in ("diagnostics/monitor.py", "analysis/doctor.py", "analysis/report.py"):
         tree = ast.parse((SRC / name).read_text())
         nums = [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
                 and isinstance(n.value, float) and not isinstance(n.value, bool)
-                and any(math.isclose(n.value, x) for x in lessons)]
+                and any(math.isclose(n.value, x) for x in thresholds)]
         assert nums == [], f"{name}: {nums}"

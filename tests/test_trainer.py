@@ -130,21 +130,22 @@ def test_update_diagnostics_match_independent_recomputation():
     assert stats["grad_norm"] > 0
 
 
-def test_trainer_explained_variance_is_recomputed_from_its_batch(tmp_path, monkeypatch):
+def test_trainer_explained_variance_is_recomputed_from_its_batch(tmp_path):
     """The logged diag/explained_variance of every update is 1 - Var(R - V_old) / Var(R) of that update's batch
     (the critic's rollout-time values against the GAE returns), recomputed here in float64 numpy."""
     manual: list[float] = []
-    real = Trainer.compute_advantages
+    trainer = Trainer(small_gridworld(tmp_path), console_enabled=False)
+    real = trainer.compute_advantages
 
-    def spy(self):
-        batch, advantages, returns = real(self)
+    def spy():
+        batch, advantages, returns = real()
         # Read now: the batch views the rollout buffer, which the next rollout overwrites.
         v, r = batch.values_old.double().numpy(), batch.returns.double().numpy()
         manual.append(1.0 - np.var(r - v) / np.var(r))
         return batch, advantages, returns
 
-    monkeypatch.setattr(Trainer, "compute_advantages", spy)
-    run = train(small_gridworld(tmp_path), console_enabled=False)
+    trainer.compute_advantages = spy
+    run = trainer.run()
     logged = [m["diag/explained_variance"] for m in run.metrics]
     assert len(logged) == len(manual) == 8
     assert logged == pytest.approx(manual, rel=1e-4, abs=1e-5)
@@ -407,18 +408,27 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error_and_nothing_is_overwritt
         ({"target_kl": -0.1}, "target_kl", "> 0"),
     ],
 )
-def test_invalid_config_names_the_field_before_any_env_is_created(tmp_path, monkeypatch, overrides, field, fragment):
-    import ppokit.envs
+def test_invalid_config_names_the_field_before_any_env_is_created(tmp_path, overrides, field, fragment):
+    made = []
 
-    def no_env(*a, **k):
-        raise AssertionError("an environment was created for an invalid config")
+    class CountedGrid(GridWorldEnv):
+        def __init__(self, **kw):
+            made.append(kw)
+            super().__init__(**kw)
 
-    monkeypatch.setattr(ppokit.envs, "make_vec_env", no_env)
-    cfg = PPOConfig.from_dict(overrides, small_gridworld(tmp_path))
-    with pytest.raises(ConfigError) as err:
-        train(cfg, console_enabled=False)
-    assert err.value.field == field
-    assert field in str(err.value) and fragment in str(err.value)
+    env_id = "ppokit_test/CountedGrid-v0"
+    gym.register(env_id, entry_point=CountedGrid, max_episode_steps=50)
+    try:
+        gym.make(env_id).close()  # control: building this env is seen
+        assert len(made) == 1
+        cfg = PPOConfig.from_dict({"env_id": env_id, **overrides}, small_gridworld(tmp_path))
+        with pytest.raises(ConfigError) as err:
+            train(cfg, console_enabled=False)
+        assert err.value.field == field
+        assert field in str(err.value) and fragment in str(err.value)
+        assert len(made) == 1, "an environment was created for an invalid config"
+    finally:
+        gym.registry.pop(env_id, None)
 
 
 def test_unknown_env_id_suggests_the_closest_registered_ids(tmp_path):

@@ -34,7 +34,7 @@ class Finding:
 
 @dataclass
 class Diagnosis:
-    """The doctor's result: ranked problems first, then notes, plus the Q3 checklist when it applied."""
+    """The doctor's result: ranked problems first, then notes, plus the debugging checklist when it applied."""
 
     run_dir: str
     healthy: bool
@@ -58,10 +58,10 @@ class Diagnosis:
                 "checks": self.checks, "findings": [asdict(f) for f in self.findings]}
 
     def to_text(self) -> str:
-        """Plain-text report: summary, Q3 checklist, then each finding with evidence and fix."""
+        """Plain-text report: summary, the debugging checklist, then each finding with evidence and fix."""
         out = [f"ppokit doctor: {self.run_dir}", self.summary, ""]
         if self.checks:
-            out.append("Clip fraction ~0 and return flat: checked in the lesson's order")
+            out.append("Clip fraction ~0 and return flat: checked in this order (docs/diagnostics.md)")
             out += [f"  {c}" for c in self.checks] + [""]
         for i, f in enumerate(self.findings, 1):
             tag = "PROBLEM" if f.severity == "problem" else "note"

@@ -5,10 +5,10 @@ below, in this rank order (the first finding is the one to fix first):
 
 1. non-finite values: NaN/Inf losses, advantages or env outputs, skipped minibatches (everything else is
    meaningless until the numbers are finite);
-2. signal validity (lesson Q3, step 1): rewards all zero, rewards and returns constant, advantages constant;
-3. optimization link (Q3, step 2): learning rate ~0 (or decayed to ~0 early), gradient norm ~0;
+2. signal validity (checklist step 1): rewards all zero, rewards and returns constant, advantages constant;
+3. optimization link (checklist step 2): learning rate ~0 (or decayed to ~0 early), gradient norm ~0;
 4. KL blow-up (> 0.1), 5. clip fraction sustained > 0.4 (drift);
-6. entropy (Q3, step 3): collapse while the return is flat, or pinned at its start by a dominant bonus;
+6. entropy (checklist step 3): collapse while the return is flat, or pinned at its start by a dominant bonus;
 7. critic never learning (explained variance never > 0);
 8. clip fraction ~0 with a flat return and none of the above: the steps are simply too small.
 

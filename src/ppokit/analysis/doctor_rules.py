@@ -1,4 +1,5 @@
-"""The doctor's rules: small functions, one per problem, applied in the lesson's debugging order.
+"""The doctor's rules: small functions, one per problem, applied in the PPO debugging checklist's order
+(docs/diagnostics.md, "ppokit doctor").
 
 Each rule reads a ``RuleContext`` (the run's columns and alerts, its return trend, what earlier rules found) and
 returns a ``doctor.Finding`` or None. ``RULES`` is the ordered list ``doctor.diagnose`` runs; ``NOTES`` run after the
@@ -117,7 +118,7 @@ def raise_fix(name: str, current: Any, example: float) -> str:
 
 @dataclass
 class RuleContext:
-    """What every rule reads (the run, its trend) and what earlier rules found (the Q3 checklist's verdicts)."""
+    """What every rule reads (the run, its trend) and what earlier rules found (the debugging checklist's verdicts)."""
 
     run: RunData
     n: int
@@ -160,7 +161,7 @@ class RuleContext:
         return [f for f in self.findings if f.severity == "problem"]
 
 
-# ---------------------------------------------------------------- the rules, in the lesson's debugging order
+# ---------------------------------------------------------------- the rules, in the debugging checklist's order
 def _rule_nonfinite(c: RuleContext) -> Finding | None:
     """1. Non-finite values: nothing else means anything until the numbers are finite."""
     # The live rules' per-update verdict (``monitor.nonfinite_counts``) on each row of metrics.csv.
@@ -425,7 +426,7 @@ def _rule_kl_high(c: RuleContext) -> Finding | None:
                    [u for u, _ in kl_warn], severity="note")
 
 
-# The lesson's order for "clip fraction ~0 but the return is flat" (signal validity -> optimization link ->
+# The debugging checklist's order for "clip fraction ~0 but the return is flat" (signal validity -> optimization link ->
 # entropy/exploration), with the trust-region and critic checks in between; each rule sees what the earlier ones
 # found (``RuleContext``), e.g. a pinned entropy is only blamed once the signal and the optimizer are fine.
 RULES = (_rule_nonfinite, _rule_reward_signal, _rule_signal_alert_cleared, _rule_advantages_constant,
@@ -438,7 +439,7 @@ ORDER = ["nonfinite", "rewards_all_zero", "zero_reward_variance", "advantages_co
 
 
 def checklist(c: RuleContext) -> list[str]:
-    """The Q3 checklist lines: each step's verdict from the rules above."""
+    """The debugging checklist lines: each step's verdict from the rules above."""
     gn = fin(c.run.col(S.GRAD_NORM))
     ent_f = fin(c.run.col(S.ENTROPY))
     peak = max(fin(c.run.col(S.LEARNING_RATE)) or [math.nan])

@@ -165,7 +165,7 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
     parts.append('<h2 id="doctor">Diagnosis (ppokit doctor)</h2>')
     parts.append(f'<div class="verdict {cls}">{_esc(diag.summary)}</div>')
     if diag.checks:
-        parts.append("<p>Clip fraction ~0 and return flat: checked in the lesson's order</p><ul>"
+        parts.append("<p>Clip fraction ~0 and return flat: checked in this order (docs/diagnostics.md)</p><ul>"
                      + "".join(f"<li>{_esc(c)}</li>" for c in diag.checks) + "</ul>")
     parts.append("<ol>")
     for f in diag.findings:

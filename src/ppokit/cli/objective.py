@@ -1,6 +1,6 @@
-"""``ppokit objective``: plot the clipped surrogate and print the lesson's worked cases.
+"""``ppokit objective``: plot the clipped surrogate and print three worked cases.
 
-The table reproduces the three worked cases of the PPO lesson (eps = 0.2 gives 2.4, -1.6 and -2.8) with
+The table evaluates three cases of L^CLIP (Schulman et al. 2017, eq. 7; eps = 0.2 gives 2.4, -1.6 and -2.8) with
 ``ppokit.core.objectives.ppo_objective`` at the requested ``--eps``, so a changed eps shows how the clip moves.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-# (ratio, advantage) of the lesson's worked cases 1-3.
+# (ratio, advantage) of the worked cases 1-3: a clipped gain, a clipped loss, an unclipped loss.
 WORKED_CASES = ((1.4, 2.0), (0.6, -2.0), (1.4, -2.0))
 
 
@@ -70,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "objective",
         help="plot PPO's clipped surrogate and print the worked cases",
         description="Plot min(r*A, clip(r, 1-eps, 1+eps)*A) over r in [0.5, 1.5] for A = +1 and A = -1, and print "
-        "the lesson's worked cases (A=2, r=1.4; A=-2, r=0.6; A=-2, r=1.4) at the given eps.",
+        "three worked cases (A=2, r=1.4; A=-2, r=0.6; A=-2, r=1.4) at the given eps.",
     )
     parser.add_argument("--eps", type=float, default=0.2, help="clip coefficient epsilon (default: 0.2)")
     parser.add_argument("--out", default="objective.png", help="PNG file to write (default: objective.png)")

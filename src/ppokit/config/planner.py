@@ -208,7 +208,8 @@ def _rule_based(probe: EnvProbe, budget: int, reasons: dict[str, str]) -> dict[s
         reasons["learning_rate"] = "2.5e-4, the Adam default of discrete-action PPO"
         reasons["ent_coef"] = "0.01: a small bonus keeps the categorical policy exploring early on"
     v["anneal_lr"] = True
-    reasons["anneal_lr"] = "linear decay to 0: PPO benefits from a decaying step size (lesson: constant LR is often worse)"
+    reasons["anneal_lr"] = ("linear decay to 0: PPO benefits from a decaying step size "
+                            "(Schulman et al. 2017 anneal it in their Atari runs)")
     v["clip_coef"] = 0.2
     reasons["clip_coef"] = "eps = 0.2, the de-facto standard (0.1 too timid, > 0.3 unstable)"
     v["vf_coef"] = 0.5

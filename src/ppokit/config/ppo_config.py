@@ -36,7 +36,8 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 ACTIVATIONS = ("tanh", "relu")
 VECTOR_MODES = ("sync", "async", "native", "envpool")
 
-# The trust-region guard rails from the PPO lessons: beyond these a run is refused unless marked unsafe.
+# The trust-region guard rails (docs/diagnostics.md, "Guard rails"): beyond these a run is refused unless marked
+# unsafe.
 SAFE_LIMITS = {"update_epochs": 30, "clip_coef": 0.3}
 
 # Integers must fit torch's and numpy's int64; numpy seeds must fit 32 bits.

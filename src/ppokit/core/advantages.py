@@ -140,7 +140,7 @@ def normalize(x: Tensor, eps: float = 1e-8, dim: int | None = None, mask: Tensor
     ``(x - mean) / (std + eps)``, except that a slice whose std is within rounding error of its mean
     (``std <= SPREAD_ULPS * finfo.eps * |mean|``, which includes every constant slice) becomes exactly 0: it holds
     no ordering information, only rounding noise. NaN/Inf inputs stay non-finite, so the update's guard still
-    skips them. The fused update (``fused._normalize_rows``) calls this same function.
+    skips them. The fused update (``kernels.fused_step._normalize_rows``) calls this same function.
 
     With ``mask`` (same shape as ``x``, nonzero = counted; TRL calls this masked whitening) the mean and std are
     those of the counted entries only (of each slice along ``dim``), the uncounted entries come out exactly 0

@@ -1,4 +1,4 @@
-"""The metric schema: every name the trainer logs and the lessons' thresholds, defined once.
+"""The metric schema: every name the trainer logs and every threshold, defined once.
 
 The trainer writes these names, the monitor and the doctor judge them with these thresholds, and the plots,
 the report, the experiments, the planner and the console read them from here, so a live alert and
@@ -8,10 +8,10 @@ Namespaces (CleanRL/TRL's convention): ``charts/`` what the run achieves, ``loss
 summed, ``diag/`` the health diagnostics (means over every minibatch of the update), ``perf/`` timings (the
 only columns that differ between two runs of one seed).
 
-Thresholds come from the PPO lessons: approx KL should stay in [0, 0.02] and an update past 0.1 has left the
-trust region; the clip fraction is healthy at 0.1-0.3, ~0 means the clip never fires, sustained above 0.4 means
-over-fitting the rollout (drift); explained variance should climb towards 1; KL early stopping fires at
-1.5 x target_kl.
+Thresholds are the standard PPO debugging bands (docs/diagnostics.md, "Live alerts"): approx KL should stay in
+[0, 0.02] and an update past 0.1 has left the trust region; the clip fraction is healthy at 0.1-0.3, ~0 means
+the clip never fires, sustained above 0.4 means over-fitting the rollout (drift); explained variance should
+climb towards 1; KL early stopping fires at 1.5 x target_kl.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def _metric(name: str, meaning: str, good: str = "") -> str:
     return name
 
 
-# ---------------------------------------------------------------- thresholds (the lessons' numbers)
-KL_WARN = 0.02  # mean approx KL above this: the update moves pi_theta far from pi_old (lesson: stay in [0, 0.02])
-KL_ALERT = 0.1  # above this the trust region is blown (lesson: "if it shoots past 0.1, lower K or LR")
-KL_STOP_FACTOR = 1.5  # KL early stop: the epochs end once approx KL > 1.5 * target_kl (lesson 5, figure 5-2)
+# ---------------------------------------------------------------- thresholds (docs/diagnostics.md lists them)
+KL_WARN = 0.02  # mean approx KL above this: the update moves pi_theta far from pi_old (the standard KL band [0, 0.02])
+KL_ALERT = 0.1  # above this the trust region is blown (the fix: lower K or the learning rate)
+KL_STOP_FACTOR = 1.5  # KL early stop: the epochs end once approx KL > 1.5 * target_kl (SB3's margin)
 KL_NEGLIGIBLE = 1e-6  # approx KL below this: pi_theta is pi_old to ~0.1% per action, the policy does not move
 CLIPFRAC_HEALTHY = (0.1, 0.3)  # the usual healthy band of the clip fraction
 CLIPFRAC_HIGH = 0.4  # sustained above this: over-fitting the rollout (drift)

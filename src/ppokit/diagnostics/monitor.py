@@ -1,4 +1,4 @@
-"""Live alerts on PPO's health, checked after every update against the lessons' thresholds.
+"""Live alerts on PPO's health, checked after every update against the schema's thresholds.
 
 Each rule looks at the update's metrics (and a short history) and returns alerts with the action to take.
 Alerts are rate-limited per rule: once a rule fires it stays quiet for ``cooldown`` updates, so a persistent

@@ -1,4 +1,4 @@
-"""Figures: the clipped PPO objective (lesson figure 5-1) and the training-diagnostics panel of a run.
+"""Figures: the clipped PPO objective (Schulman et al. 2017, figure 1) and the training-diagnostics panel of a run.
 
 matplotlib is imported inside the functions, and figures are drawn on an Agg canvas without ``pyplot``, so
 importing this module is cheap, nothing depends on a display, and the caller's global backend is left alone.

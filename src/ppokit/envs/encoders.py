@@ -9,7 +9,8 @@ it, so a new kind of space is added here once:
 - ``Discrete(n, start)`` -> one-hot float32 of size ``n`` (observation ``start + i`` -> ``e_i``);
 - an image ``Box`` (dtype uint8, bounds 0..255, 3-D, one axis of size 1, 3 or 4 first or last) -> uint8
   ``[n, C, H, W]``: the pixels stay bytes in the buffer (a 4x84x84 Atari frame stack is 28 KB a step, not 113 KB
-  of floats) and the model (``networks.NatureCNN``) scales them by 1/255. The layout is decided by where the channel axis is:
+  of floats) and the model (``policies.encoder_networks.NatureCNN``) scales them by 1/255. The layout is decided
+  by where the channel axis is:
   ``(C, H, W)`` when the FIRST axis has size 1/3/4 (Atari frame stacks ``(4, 84, 84)``), else ``(H, W, C)`` when
   the LAST one has (``(64, 64, 3)`` from ``render()``), transposed to channels-first here; an image too small
   for the Nature CNN (height or width < 36) is refused naming its shape;

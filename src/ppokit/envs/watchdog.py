@@ -9,7 +9,7 @@ call a few times a second; once it has run ``timeout`` seconds, or ``STOP_GRACE_
 the run to stop (the first Ctrl-C only sets a flag the loop reads between updates, which a hung env never
 reaches), the thread sends SIGALRM to the main thread, whose handler raises ``EnvTimeout`` there. The trainer
 turns that into its usual env failure: one line naming the env, the index, the phase and the step, after saving
-the learner state (``envs.errors``, ``trainer_lifecycle``).
+the learner state (``envs.errors``, ``training.lifecycle``).
 
 What a signal interrupts: any Python code (checked between bytecodes) and any blocking system call the
 interpreter wraps (``time.sleep``, ``select``, socket and pipe reads: PEP 475 runs the handler and the exception

@@ -1,4 +1,4 @@
-"""The fused PPO update: ``epochs.ppo_epochs`` with ``FusedStep``, the same update as ``update.ppo_update``
+"""The fused PPO update: ``epochs.ppo_epochs`` with ``FusedStep``, the same update as ``autograd.ppo_update``
 without autograd.
 
 ``FusedStep`` is the ``epochs.UpdateStep`` whose gradient comes from the hand-derived backward
@@ -127,6 +127,6 @@ class FusedStep:
 
 def fused_ppo_update(policy: ActorCritic, optimizer: FlatAdam, batch: Batch, s: UpdateSettings,
                      generator: torch.Generator | None = None) -> dict[str, float]:
-    """Drop-in for ``update.ppo_update`` (same minibatches, guards and returned diagnostics), without autograd:
+    """Drop-in for ``autograd.ppo_update`` (same minibatches, guards and returned diagnostics), without autograd:
     ``epochs.ppo_epochs`` with a ``FusedStep``. ``optimizer`` must be the policy's ``FlatAdam``; ``s.algo`` "ppo"."""
     return ppo_epochs(batch, s, FusedStep(policy, optimizer), generator=generator)

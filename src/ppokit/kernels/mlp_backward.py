@@ -8,7 +8,7 @@ Why: CartPole-sized PPO spends ~80% of its time in thousands of gradient steps o
 autograd's per-op dispatch and graph bookkeeping cost more than the arithmetic. Writing the backward directly
 removes the graph, per-minibatch statistics are reduced in one op and read by the host once (with the gradient
 norm, which also decides the clip), and tanh is evaluated as ``2*sigmoid(2x) - 1`` (on the torch 2.13 CPU build
-measured, tanh of a 256x64 matrix takes ~44 us, sigmoid ~8 us). Eager autograd (``update.minibatch_loss``) remains
+measured, tanh of a 256x64 matrix takes ~44 us, sigmoid ~8 us). Eager autograd (``autograd.minibatch_loss``) remains
 the reference; ``tests/test_fused.py`` checks the two agree.
 """
 
@@ -62,7 +62,7 @@ def unsupported_reason(policy: nn.Module, algo: str) -> str | None:
 
 
 def supports(policy: nn.Module, algo: str) -> bool:
-    """True when the fused update (``fused_step``) can replace ``update.ppo_update`` for this policy and objective."""
+    """True when the fused update (``fused_step``) can replace ``autograd.ppo_update`` for this policy and objective."""
     return unsupported_reason(policy, algo) is None
 
 

@@ -3,7 +3,7 @@ and at the end; Ctrl-C and SIGTERM (finish the iteration, save, stop; the CLI ex
 or returns what is not a score, or a prompt the model cannot take (the last finished iteration saved, then one
 line naming it); and the run dir's claim and logging, so that a resume logs each iteration exactly once.
 
-``LMRunLifecycle`` is a part of ``base.LMTrainer`` (a mixin over its attributes), as ``trainer_lifecycle`` is of the
+``LMRunLifecycle`` is a part of ``base.LMTrainer`` (a mixin over its attributes), as ``training.lifecycle`` is of the
 Gymnasium trainer, and uses the same pieces: ``rundir.claim`` (lock, no mixing, stale temp files removed),
 ``rundir.trim_to_checkpoint`` and ``runtime.interrupts.install_sigint``.
 

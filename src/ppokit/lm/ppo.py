@@ -1,6 +1,6 @@
 """PPO-RLHF (Ziegler et al. 2019; Ouyang et al. 2022): the Gymnasium trainer's PPO along a token axis.
 
-Each iteration, numbered as the lessons number PPO's loop:
+Each iteration, in the order of PPO's loop (Schulman et al. 2017, Algorithm 1):
 
 1. Rollout: ``batch_prompts`` prompts x ``group_size`` completions, sampled by pi_theta (= pi_old), with the
    log-probs under pi_old and pi_ref and the values V(prefix) of every response token (``rollout.sample``).

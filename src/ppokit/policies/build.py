@@ -17,7 +17,8 @@ __all__ = ["build_policy", "policy_parameters"]
 def build_policy(observation_space, action_space, hidden_sizes: list[int], activation: str) -> nn.Module:
     """The policy for single-env Gymnasium spaces, chosen by the observation encoder (see ``encoders``): an
     ``ActorCritic`` MLP over a flat encoding (a flattened Box, a one-hot Discrete), else an
-    ``networks.EncoderActorCritic`` (image: the Nature CNN; Dict/Tuple: a CNN per image, an MLP over the rest)."""
+    ``encoder_networks.EncoderActorCritic`` (image: the Nature CNN; Dict/Tuple: a CNN per image, an MLP over the
+    rest)."""
     encoder = observation_encoder(observation_space)  # ValueError naming the space (or part) it cannot encode
     kind, dims = action_spec(action_space)
     if not encoder.structured and encoder.layout()[1] == torch.float32:

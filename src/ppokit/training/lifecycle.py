@@ -2,7 +2,7 @@
 first), Ctrl-C and SIGTERM (a flag the loop reads), and the cleanup after an exception in the loop.
 
 ``TrainerLifecycle`` is a part of ``trainer.Trainer`` (a mixin: the methods read the trainer's state); the loop
-itself stays in ``trainer.py``, readable top to bottom as the lesson's algorithm.
+itself stays in ``trainer.py``, readable top to bottom as Algorithm 1 of Schulman et al. 2017.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class TrainerCheckpoint:
         # The counters the schedule, the learning-rate annealing and the logs continue from.
         ckpt.check_counters(state, self.config.batch_size, path)
         saved_spec, spec = state["policy_spec"], self.policy.spec()
-        if isinstance(saved_spec, dict):  # a spec without "type" (before the registry) is an ActorCritic's
+        if isinstance(saved_spec, dict):  # without "type": an ActorCritic's, the only policy such a checkpoint holds
             saved_spec = {"type": spec_type(saved_spec), **saved_spec}
         if saved_spec != spec:
             raise ckpt.CheckpointError(

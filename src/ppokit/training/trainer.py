@@ -2,8 +2,9 @@
 
 ``train(config)`` is the public entry point. ``Trainer`` holds the train state (policy, optimizer, normalizers,
 environments, RNG, step counters) so that it can be checkpointed and resumed; its ``run`` method reads top to
-bottom as the lesson's algorithm. The rollout itself (env stepping, autoreset, NaN/Inf, episode statistics, the
-truncation bootstrap) is ``collector.Collector``'s; the epochs are ``epochs.ppo_epochs``'s.
+bottom as Algorithm 1 of Schulman et al. 2017, "Proximal Policy Optimization Algorithms". The rollout itself
+(env stepping, autoreset, NaN/Inf, episode statistics, the truncation bootstrap) is ``collector.Collector``'s;
+the epochs are ``epochs.ppo_epochs``'s.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Run:
     run_dir: Path
     config: PPOConfig
     metrics: list[dict[str, float]]
-    policy: Policy  # an ActorCritic (flat observations) or networks.EncoderActorCritic (image, Dict, Tuple)
+    policy: Policy  # an ActorCritic (flat observations) or an EncoderActorCritic (image, Dict, Tuple)
     global_step: int
     alerts: list[dict] = field(default_factory=list)
     interrupted: bool = False
@@ -159,6 +160,9 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         else:
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5,
                                               **_adam_kwargs(self.device))
+        # The update's epoch loop, ``loop(batch, settings, step, sync=...) -> stats``: an attribute so that a caller
+        # can wrap it (see what each update is given) without patching this module.
+        self.epoch_loop = ppo_epochs
         # Normalization statistics (saved in checkpoints, frozen at evaluation).
         # Observation normalization standardizes the float vector parts (images and one-hot codes are left alone).
         self.obs_norm = self._obs_normalizer() if cfg.normalize_obs else None
@@ -177,7 +181,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         self.acting = ActingKernel(self.policy, self.optimizer) if self.fused else None
         # The rollout: env stepping, both autoreset modes, NaN/Inf, episode statistics, truncation bootstrap;
         # it fills its buffer (``[T, N, ...]`` tensors on the device) with pi_old's steps.
-        # ``rollout``: another rollout backend (rollout_source.RolloutSource), built with Collector's arguments.
+        # ``rollout``: another rollout backend (``rollout.source.RolloutSource``), built with Collector's arguments.
         self.collector = (rollout or Collector)(self.envs, self.policy, self.acting or self.policy,
                                                 num_steps=cfg.num_steps, device=self.device, env_id=cfg.env_id,
                                                 obs_norm=self.obs_norm, reward_scaler=self.reward_scaler,
@@ -293,7 +297,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 t0 = time.perf_counter()
                 step = FusedStep(self.policy, self.optimizer) if self.fused else AutogradStep(self.policy, self.optimizer)
                 settings = self.dist.agree_minibatches(self.update_settings(clip_coef), len(batch))
-                stats = ppo_epochs(batch, settings, step, sync=self.dist.sync)  # sync: None in one process
+                stats = self.epoch_loop(batch, settings, step, sync=self.dist.sync)  # sync: None in one process
                 kl_after = self.dist.mean(self.batch_kl(batch))  # how far this update moved pi_theta from pi_old
                 if self.algo.after_update is not None:  # ppo-kl: the adaptive penalty's beta rule
                     self.kl_beta = self.algo.after_update(self.kl_beta, kl_after, cfg)
@@ -544,7 +548,7 @@ def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: A
     checkpoint) and/or ``on_checkpoint(path)``, or plain functions taken as ``on_update`` (see ``callbacks``).
 
     ``rollout``: a rollout backend instead of ``collector.Collector`` (a callable taking Collector's arguments and
-    returning a ``rollout_source.RolloutSource``), e.g. remote rollout workers; the learner is unchanged.
+    returning a ``rollout.source.RolloutSource``), e.g. remote rollout workers; the learner is unchanged.
 
     ``policy``: a factory ``(observation_space, action_space, config) -> Policy`` instead of
     ``policies.build_policy`` (e.g. a type registered with ``register_policy``, so ``load`` rebuilds it).

@@ -3,7 +3,7 @@
 ``ppo_epochs`` owns what does not depend on how the gradient is computed: the per-epoch shuffle, the minibatch
 split, the two guards checked before each optimizer step (the non-finite skip and KL early stopping) and the
 means of the diagnostics over the minibatches that were applied. How one minibatch's loss, gradient and
-diagnostics are computed, and how its step is applied, is an ``UpdateStep``: ``update.AutogradStep`` (eager
+diagnostics are computed, and how its step is applied, is an ``UpdateStep``: ``autograd.AutogradStep`` (eager
 autograd, the reference, any policy and objective) and ``fused_step.FusedStep`` (the hand-derived MLP backward on
 ``FlatAdam``'s flat buffer) implement it.
 
@@ -30,7 +30,7 @@ __all__ = ["Batch", "UpdateSettings", "MinibatchResult", "UpdateStep", "SyncHook
 STAT_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "approx_kl_k1", "clipfrac", "grad_norm")
 
 # Early stopping fires when a minibatch's approx KL exceeds KL_STOP_FACTOR x target_kl (SB3's margin): it lets the
-# KL fluctuate around its target without stopping every update. Defined once, with the lessons' thresholds.
+# KL fluctuate around its target without stopping every update. Defined once, in the schema.
 from ppokit.core.algos import UpdateSettings  # noqa: E402,F401  (the epoch loop's settings; importable from here)
 from ppokit.core.schema import KL_STOP_FACTOR  # noqa: E402
 
