@@ -81,7 +81,7 @@ def first_solved_step(rollouts: list[tuple[int, list[float]]], threshold: float 
 
 def run_ppokit(config, device: str = "cpu") -> dict:
     """Train ppokit with ``config`` in a temp run dir; wall times, steps and the per-rollout episode returns."""
-    from ppokit.trainer import Trainer
+    from ppokit.training.trainer import Trainer
 
     class RecordingTrainer(Trainer):
         """Records the returns finished in each rollout, and when the loop ends (before plots and summary)."""

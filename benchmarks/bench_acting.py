@@ -1,5 +1,5 @@
-"""Per-call cost of acting: the acting kernel (``acting.ActingKernel.act``, reached as ``FlatAdam(policy).kernel.act``
-as the trainer does) against ``ActorCritic.act`` (eager modules).
+"""Per-call cost of acting: the acting kernel (``kernels.acting.ActingKernel.act``, as the trainer acts) against
+``ActorCritic.act`` (eager modules).
 
 For CartPole's shapes (4 observations, 2 actions, 64x64 tanh actor and critic) and a continuous 1-D action head,
 at 8 and 1024 envs: the best of several timed blocks of calls, in microseconds per call, under inference mode on
@@ -14,22 +14,25 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+import _common as C  # noqa: E402
 
 
 def load_fused(path: str | None):
-    """The installed ``ppokit.fused``, or the file at ``path`` loaded as a module of the ppokit package."""
-    import ppokit.fused
+    """The installed ``ppokit.kernels.acting``, or the file at ``path`` loaded as a module of the ppokit package."""
+    import ppokit.kernels.acting
 
     if path is None:
-        return ppokit.fused
+        return ppokit.kernels.acting
     spec = importlib.util.spec_from_file_location("ppokit._fused_compare", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny budgets (checks the script runs; numbers meaningless)")
     p.add_argument("--envs", default="8,1024", help="comma-separated batch sizes (default 8,1024)")
     p.add_argument("--fused-module", default=None,
-                   help="path of another acting.py (or pre-split fused.py) to time next to the installed one")
+                   help="path of another acting.py to time next to the installed one")
     args = p.parse_args(argv)
     from ppokit.policies import ActorCritic
 
@@ -73,13 +76,16 @@ def main(argv: list[str] | None = None) -> int:
             torch.manual_seed(0)
             policy = ActorCritic(4, kind, dims, [64, 64], "tanh")
             obs = torch.randn(B, 4)
-            fns = {"ActorCritic.act": policy.act}
+            starts = np.zeros(B, dtype=bool)
+            fns = {"ActorCritic.act": lambda x, act=policy.act, s=starts: act(x, None, s)}
             for name, mod in impls.items():
                 clone = ActorCritic(4, kind, dims, [64, 64], "tanh")
                 clone.load_state_dict(policy.state_dict())
-                # An acting.py has ActingKernel (timed on its own); an older fused.py has FlatAdam(...).kernel.
-                fns[name] = mod.ActingKernel(clone).act if hasattr(mod, "ActingKernel") and not hasattr(
-                    mod, "FlatAdam") else mod.FlatAdam(clone).kernel.act
+                act = mod.ActingKernel(clone).act
+                # An acting.py from before the stateful protocol takes (obs, deterministic, out); both are wrapped
+                # alike, so the lambda's cost is the same in every column.
+                stateful = "state" in inspect.signature(act).parameters
+                fns[name] = (lambda x, act=act, s=starts: act(x, None, s)) if stateful else (lambda x, act=act: act(x))
             with torch.inference_mode():
                 times = per_call_us(fns, obs, calls, repeats)
             for name, us in times.items():

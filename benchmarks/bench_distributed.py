@@ -80,7 +80,7 @@ def main() -> None:
                 print(f"  repeat {rep + 1} {name:>16}: {r['process_sps']:8,.0f} steps/s whole process "
                       f"({r['wall']:5.1f} s), {r['loop_sps']:8,.0f} steps/s loop, return {r['return']:6.1f}")
     print(f"load average after: {C.load()}")
-    print(f"\n| configuration | whole process steps/s | loop steps/s | vs 1 rank (process / loop) | final return |")
+    print("\n| configuration | whole process steps/s | loop steps/s | vs 1 rank (process / loop) | final return |")
     print("|---|---|---|---|---|")
     base = {k: statistics.median(r[k] for r in results["1 rank"]) for k in ("process_sps", "loop_sps")}
     for name, rs in results.items():

@@ -28,7 +28,7 @@ def child(lib: str, steps: int, device: str, import_only: bool) -> None:
         import stable_baselines3  # noqa: F401
         from stable_baselines3 import PPO  # noqa: F401
     else:
-        import ppokit.trainer  # noqa: F401
+        import ppokit.training.trainer  # noqa: F401
     if not import_only:
         import bench_vs_sb3 as B
 

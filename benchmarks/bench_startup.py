@@ -55,7 +55,7 @@ def timed(args: list[str], cwd: str) -> float:
 def import_breakdown(args: list[str], cwd: str) -> list[tuple[str, float]]:
     """Import ms of each top-level package (``torch``, ``matplotlib``, ...) under ``python -X importtime *args``,
     largest first: the cumulative time of every import of one of its modules from outside the package (so
-    ``matplotlib.figure`` imported by ``ppokit.plots`` counts for matplotlib). Packages nest: numpy's time is also
+    ``matplotlib.figure`` imported by ``ppokit.diagnostics.plots`` counts for matplotlib). Packages nest: numpy's time is also
     inside torch's."""
     proc = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=cwd, env=_env(), capture_output=True,
                           text=True)

@@ -26,12 +26,13 @@ import _common as C  # noqa: E402,F401  (one torch thread)
 
 
 def measure(env_id: str, reps: int, host_path: bool, one_env: bool = True) -> dict[str, float]:
+    import numpy as np
     import torch
 
-    from ppokit import hostnorm
-    from ppokit.collector import Collector
-    from ppokit.config import load_preset
-    from ppokit.trainer import Trainer
+    from ppokit.config.ppo_config import load_preset
+    from ppokit.rollout import hostnorm
+    from ppokit.rollout.collector import Collector
+    from ppokit.training.trainer import Trainer
 
     applies = hostnorm.HostNormalizers.applies
     if not host_path:
@@ -45,6 +46,7 @@ def measure(env_id: str, reps: int, host_path: bool, one_env: bool = True) -> di
             envs, steps = trainer.envs, cfg.num_steps
             action = envs.action_space.sample()
             obs = torch.zeros(1, trainer.obs_dim)
+            starts = np.zeros(1, dtype=bool)
             inference = torch.inference_mode()
             best = {"rollout": 1e9, "env": 1e9, "sub": 1e9, "act": 1e9}
             sub, sub_action = envs.envs[0], action[0]
@@ -66,7 +68,7 @@ def measure(env_id: str, reps: int, host_path: bool, one_env: bool = True) -> di
                 t0 = time.thread_time()
                 with inference:
                     for _ in range(steps):
-                        trainer.collector.acting.act(obs)
+                        trainer.collector.acting.act(obs, None, starts)
                 best["act"] = min(best["act"], (time.thread_time() - t0) / steps)
             trainer.envs.close()
             trainer._claim.release()

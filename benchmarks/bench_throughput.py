@@ -25,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
+
+import _common as C  # noqa: E402
 
 
 def raw_env_sps(num_envs: int, steps: int) -> float:
@@ -49,8 +50,8 @@ def ppokit_sps(num_envs: int, updates: int, device: str) -> tuple[float, float, 
     """(rollout-only steps/s, whole-loop steps/s, microseconds of acting per rollout step) of ppokit training on
     native CartPole with ``num_envs`` envs. Acting is the trainer's "inference" timer: the policy call, the buffer
     writes of its outputs and the actions' hand-over to the env."""
-    from ppokit.config import load_preset
-    from ppokit.trainer import Trainer
+    from ppokit.config.ppo_config import load_preset
+    from ppokit.training.trainer import Trainer
 
     cfg = load_preset("cartpole-fast")
     cfg.num_envs, cfg.num_steps = num_envs, 16

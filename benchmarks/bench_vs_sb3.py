@@ -48,7 +48,7 @@ import _common as C  # noqa: E402
 
 def zoo_configs(seed: int, steps: int):
     """(ppokit config, SB3 kwargs) for the RL-Zoo CartPole settings."""
-    from ppokit.config import load_preset
+    from ppokit.config.ppo_config import load_preset
 
     cfg = load_preset("cartpole")
     cfg.seed, cfg.total_timesteps = seed, steps
@@ -59,7 +59,7 @@ def zoo_configs(seed: int, steps: int):
 
 def default_configs(seed: int, steps: int):
     """(ppokit config, SB3 kwargs) for SB3's PPO defaults on one env."""
-    from ppokit.config import PPOConfig
+    from ppokit.config.ppo_config import PPOConfig
 
     cfg = PPOConfig(env_id="CartPole-v1", num_envs=1, num_steps=2048, num_minibatches=32, update_epochs=10,
                     learning_rate=3e-4, anneal_lr=False, gamma=0.99, gae_lambda=0.95, clip_coef=0.2,
@@ -122,7 +122,7 @@ MUJOCO_ENVS = ("HalfCheetah-v5", "Hopper-v5")
 
 def mujoco_config(env_id: str, seed: int, steps: int):
     """ppokit's ``mujoco`` preset for ``env_id`` (TensorBoard off, as SB3 by default)."""
-    from ppokit.config import load_preset
+    from ppokit.config.ppo_config import load_preset
 
     cfg = load_preset("mujoco")
     cfg.env_id, cfg.seed, cfg.total_timesteps, cfg.tensorboard = env_id, seed, steps, False

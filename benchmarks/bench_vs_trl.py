@@ -98,7 +98,7 @@ def sft_model_dir(size: str, sft_steps: int, seed: int, root: Path) -> Path:
 def run_ppokit(model_dir: Path, iterations: int, seed: int, s: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ppokit import schema as S
+    from ppokit.core import schema as S
     from ppokit.lm import GRPOTrainer, LMConfig, demo
 
     t0 = time.perf_counter()

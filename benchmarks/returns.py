@@ -90,7 +90,7 @@ TASKS: dict[str, Task] = {
 # ---------------------------------------------------------------------------------------------------- one run
 def task_config(job: dict):
     """The validated ``PPOConfig`` of one run: the task's preset, env and budget, the job's seed and overrides."""
-    from ppokit.config import load_preset
+    from ppokit.config.ppo_config import load_preset
 
     task = TASKS[job["task"]]
     config = load_preset(task.preset)
@@ -112,7 +112,7 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)
     import ppokit
-    from ppokit import schema as S
+    from ppokit.core import schema as S
 
     config = task_config(job)
     timer = None
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"returns.py: unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}", file=sys.stderr)
         return 2
-    from ppokit.config import ConfigError, PPOConfig
+    from ppokit.config.ppo_config import ConfigError, PPOConfig
 
     try:
         bad = [s for s in args.set if "=" not in s]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppokit.acting import ActingKernel
-from ppokit.epochs import Batch
+from ppokit.kernels.acting import ActingKernel
 from ppokit.policies import ActorCritic
-from ppokit.update import UpdateSettings, ppo_update
+from ppokit.update.autograd import UpdateSettings, ppo_update
+from ppokit.update.epochs import Batch
 
 
 @pytest.mark.parametrize("kind", ["discrete", "continuous"])
@@ -25,7 +25,7 @@ def test_standalone_kernel_follows_an_autograd_trained_policy(kind):
         for fn in (policy.act, kernel.act):
             torch.manual_seed(3)
             with torch.inference_mode():
-                out.append(fn(obs))
+                out.append(fn(obs, None, None)[:3])
         (a_ref, lp_ref, v_ref), (a, lp, v) = out
         torch.testing.assert_close(a, a_ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lp, lp_ref, rtol=1e-12, atol=1e-12)
@@ -34,7 +34,7 @@ def test_standalone_kernel_follows_an_autograd_trained_policy(kind):
 
     v0 = same_as_policy()  # builds and caches the acting weights
     with torch.no_grad():
-        actions, logp, values = policy.act(obs)
+        actions, logp, values, _ = policy.act(obs, None, None)
     batch = Batch(obs, actions, logp, values, torch.randn(9, dtype=torch.float64), values + 1.0)
     s = UpdateSettings("ppo", 2, 1, 0.2, False, True, 0.0, 0.5, 0.5, None)
     ppo_update(policy, torch.optim.Adam(policy.parameters(), lr=1e-2), batch, s)

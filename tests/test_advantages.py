@@ -1,4 +1,4 @@
-"""Reference tests for ``ppokit.advantages``.
+"""Reference tests for ``ppokit.core.advantages``.
 
 The references are written here as plain per-env Python loops in float64, in a form different from the
 implementation's recursion: the advantage is the explicit finite sum ``sum_l (gamma*lam)^l delta_{t+l}`` up to
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ppokit.advantages import gae, normalize
+from ppokit.core.advantages import gae, normalize
 
 F64 = torch.float64
 
@@ -220,7 +220,7 @@ CONSTANT_VALUES = [0.1, 0.3, 1 / 3, -0.7, 2.5, 123.456, 1e-20, -3e30, 0.0]
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_normalize_of_any_constant_vector_is_exactly_zero_in_both_paths(dtype):
-    from ppokit.fused import _normalize_rows
+    from ppokit.kernels.fused_step import _normalize_rows
 
     for n in CONSTANT_LENGTHS:
         for v in CONSTANT_VALUES:

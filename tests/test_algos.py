@@ -1,4 +1,4 @@
-"""The algorithm registry (``ppokit.algos``): each variant's named loss terms against the objectives written out by
+"""The algorithm registry (``ppokit.core.algos``): each variant's named loss terms against the objectives written out by
 hand, its schedule/hook/guard-rail/fused fields read by the trainer, config and fused kernel, a new variant that
 trains through the trainer by registering it alone, and no string comparison of ``algo`` left outside the registry.
 """
@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import ppokit.algos as algos_mod
-from ppokit.algos import ALGOS, TERM_NAMES, Algo, describe_algos, get_algo, loss_terms, register
-from ppokit.config import ConfigError, PPOConfig, load_preset
-from ppokit.epochs import UpdateSettings
-
-from test_variants import _tiny_config as _variants_tiny_config  # the gridworld preset cut to a few updates
-from ppokit.mlp_backward import supports, unsupported_reason
+import ppokit.core.algos as algos_mod
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
+from ppokit.core.algos import ALGOS, TERM_NAMES, Algo, describe_algos, get_algo, loss_terms, register
+from ppokit.kernels.mlp_backward import supports, unsupported_reason
 from ppokit.policies import ActorCritic
-from ppokit.trainer import Trainer, train
+from ppokit.training.trainer import Trainer, train
+from ppokit.update.epochs import UpdateSettings
+from test_variants import _tiny_config as _variants_tiny_config  # the gridworld preset cut to a few updates
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ppokit"
 

@@ -14,7 +14,7 @@ cv2 = pytest.importorskip("cv2", reason="needs pip install -e '.[atari]'")
 
 import gymnasium as gym  # noqa: E402
 
-from ppokit import atari  # noqa: E402
+from ppokit.envs import atari  # noqa: E402
 
 atari.register_ale()
 
@@ -158,14 +158,14 @@ def test_training_reward_is_the_sign_of_the_raw_reward():
 
 
 def test_native_vector_mode_is_refused_for_atari_with_the_reason():
-    from ppokit.config import ConfigError
+    from ppokit.config.ppo_config import ConfigError
 
     with pytest.raises(ConfigError, match="vector_mode.*life loss"):
         atari.make_atari_vec_env("ALE/Pong-v5", 2, "native")
 
 
 def test_frameskip_in_env_kwargs_is_refused():
-    from ppokit.config import ConfigError
+    from ppokit.config.ppo_config import ConfigError
 
     with pytest.raises(ConfigError, match="env_kwargs.*frameskip"):
         atari.make_atari_env("ALE/Pong-v5", {"frameskip": 2})
@@ -176,9 +176,9 @@ def test_a_short_atari_run_trains_on_uint8_frames_and_evaluates_the_game_score(t
     import torch
 
     import ppokit
-    from ppokit import schema as S
-    from ppokit.config import load_preset
-    from ppokit.trainer import Trainer
+    from ppokit.config.ppo_config import load_preset
+    from ppokit.core import schema as S
+    from ppokit.training.trainer import Trainer
 
     cfg = load_preset("atari")
     cfg.env_id, cfg.num_envs, cfg.num_steps, cfg.num_minibatches = "ALE/Breakout-v5", 2, 32, 2

@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("Box2D", reason="needs pip install -e '.[box2d]'")
 
 import ppokit  # noqa: E402
-from ppokit import schema as S  # noqa: E402
 from ppokit.cli import main  # noqa: E402
-from ppokit.config import load_preset  # noqa: E402
+from ppokit.config.ppo_config import load_preset  # noqa: E402
+from ppokit.core import schema as S  # noqa: E402
 
 
 def test_lunarlander_preset_is_rl_zoos_setting():

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import ppokit
-from ppokit import schema as S
-from ppokit.callbacks import UpdateInfo
-from ppokit.config import PPOConfig
+from ppokit.config.ppo_config import PPOConfig
+from ppokit.core import schema as S
+from ppokit.training.callbacks import UpdateInfo
 
 
 def _config(tmp_path, **kw) -> PPOConfig:

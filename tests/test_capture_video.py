@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ppokit.config import ConfigError, PPOConfig
+from ppokit.config.ppo_config import ConfigError, PPOConfig
 
 pytest.importorskip("moviepy", reason="needs pip install -e '.[video]'")
 pytest.importorskip("pygame", reason="classic-control rendering needs pip install -e '.[video]'")
@@ -23,7 +23,7 @@ def _config(tmp_path, name: str, **kw) -> PPOConfig:
 def test_capture_video_writes_playable_mp4s_of_env_0(tmp_path):
     from moviepy import VideoFileClip
 
-    from ppokit.trainer import train
+    from ppokit.training.trainer import train
 
     run = train(_config(tmp_path, "video", capture_video=True, video_every=2), console_enabled=False)
     videos = sorted((run.run_dir / "videos").glob("*.mp4"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.checkpoint import (
+from ppokit.runtime.checkpoint import (
     FORMAT,
     VERSION,
     CheckpointError,

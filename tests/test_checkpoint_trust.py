@@ -18,15 +18,15 @@ import pytest
 import torch
 
 import ppokit
-from ppokit.checkpoint import (
+from ppokit.cli import main
+from ppokit.config.ppo_config import PPOConfig
+from ppokit.runtime.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     load_checkpoint,
     save_checkpoint,
 )
-from ppokit.cli import main
-from ppokit.config import PPOConfig
-from ppokit.trainer import CHECKPOINT_NAME, resume, train
+from ppokit.training.trainer import CHECKPOINT_NAME, resume, train
 
 torch.set_num_threads(1)
 
@@ -336,14 +336,13 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_exits_non_zero(tmp_path
 def test_eval_names_the_missing_dependency_and_keeps_its_brackets(runs, tmp_path, capsys, monkeypatch, text, package):
     import gymnasium as gym
 
-    import ppokit.agent
-
     run_dir = _copy(runs, "cartpole", tmp_path / "run")
 
     def missing(*args, **kwargs):
         raise gym.error.DependencyNotInstalled(text)
 
-    monkeypatch.setattr(ppokit.agent, "evaluate", missing)
+    # Gymnasium's recorder is what raises this when the package is absent: simulate its absence there.
+    monkeypatch.setattr(gym.wrappers, "RecordVideo", missing)
     assert main(["eval", str(run_dir), "--episodes", "1", "--video", str(tmp_path / "v")]) == 2
     out = _out(capsys)
     assert out.startswith(f"error: {package} is not installed (pip install 'ppokit[video]')")

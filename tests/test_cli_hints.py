@@ -13,7 +13,7 @@ import pytest
 
 import ppokit
 from ppokit.cli import main
-from ppokit.config import ConfigError, PPOConfig, load_preset
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 
 
 def _last_step(run_dir) -> int:

@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-import ppokit.resources
+import ppokit.config.resources
 from ppokit.cli import main
-from ppokit.config import ConfigError, PPOConfig, load_preset
-from ppokit.resources import check_memory, estimate_memory, usable_threads
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
+from ppokit.config.resources import check_memory, estimate_memory, usable_threads
 
 LONG_NAME = "x" * 300
 NUMBERS_NOT_INTS = ["1e999", "-1e999", "nan", "1.5", "abc", ""]
@@ -212,25 +212,30 @@ def test_python_constructed_configs_are_type_checked_too():
 
 
 # ------------------------------------------------------------------ resume
-@pytest.fixture
-def fake_resume(monkeypatch):
-    calls = []
-
-    class Done:
-        run_dir, interrupted = "r", False
-
-    def resume(run_dir, total_timesteps=None, **kw):
-        calls.append(total_timesteps)
-        return Done()
-
-    monkeypatch.setattr("ppokit.trainer.resume", resume)
-    return calls
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """One real gridworld run of one batch (256 steps), saved; tests copy it before resuming it."""
+    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    assert main(["train", "--preset", "gridworld", "--total-timesteps", "256", "--run-dir", str(run_dir),
+                 "--quiet", "--no-tensorboard"]) == 0
+    return run_dir
 
 
-def test_resume_takes_total_timesteps_written_like_a_fresh_run(fake_resume, tmp_path):
-    assert main(["train", "--resume", str(tmp_path), "--total-timesteps", "1e5", "--quiet"]) == 0
-    assert main(["train", "--resume", str(tmp_path), "--quiet"]) == 0
-    assert fake_resume == [100_000, None]
+def _saved_step(run_dir) -> int:
+    from ppokit.runtime.checkpoint import load_checkpoint
+
+    return int(load_checkpoint(run_dir / "checkpoint.pt")["global_step"])
+
+
+def test_resume_takes_total_timesteps_written_like_a_fresh_run(trained_run, tmp_path):
+    import shutil
+
+    run_dir = shutil.copytree(trained_run, tmp_path / "run")
+    assert _saved_step(run_dir) == 256
+    assert main(["train", "--resume", str(run_dir), "--total-timesteps", "5.12e2", "--quiet"]) == 0
+    assert _saved_step(run_dir) == 512  # 5.12e2 read as 512, as a fresh run reads it
+    assert main(["train", "--resume", str(run_dir), "--quiet"]) == 0
+    assert _saved_step(run_dir) == 512  # no --total-timesteps: the checkpoint's total, already reached
 
 
 @pytest.mark.parametrize("argv,field", [
@@ -241,13 +246,15 @@ def test_resume_takes_total_timesteps_written_like_a_fresh_run(fake_resume, tmp_
     (["--total-timesteps", "1e999"], "total_timesteps"),
     (["--total-timesteps", "0"], "total_timesteps"),
 ])
-def test_resume_refuses_every_other_flag_and_says_which_it_accepts(argv, field, fake_resume, tmp_path, capsys):
-    assert main(["train", "--resume", str(tmp_path), "--quiet", *argv]) == 2
+def test_resume_refuses_every_other_flag_and_says_which_it_accepts(argv, field, trained_run, capsys):
+    before = {name: (trained_run / name).read_bytes() for name in ("checkpoint.pt", "metrics.csv")}
+    assert main(["train", "--resume", str(trained_run), "--quiet", *argv]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"'{field}'" in err and "Traceback" not in err
     if field not in ("total_timesteps",):
         assert "--resume accepts only --total-timesteps" in err
-    assert fake_resume == []  # refused before the checkpoint was touched
+    # refused before the run was touched
+    assert {name: (trained_run / name).read_bytes() for name in before} == before
 
 
 # ------------------------------------------------------------------ a bare --env gets the planner's config
@@ -262,12 +269,18 @@ def fake_train(monkeypatch):
         seen.append(config)
         return Done()
 
-    monkeypatch.setattr("ppokit.trainer.train", train)
+    monkeypatch.setattr("ppokit.training.trainer.train", train)
     return seen
 
 
+def _trained(argv, run_dir) -> PPOConfig:
+    """Train for real with ``argv`` into ``run_dir``; the config the run saved (config.toml)."""
+    assert main([*argv, "--run-dir", str(run_dir), "--no-tensorboard"]) == 0
+    return PPOConfig.from_toml(run_dir / "config.toml")
+
+
 def test_bare_env_trains_the_planners_config_and_says_so(fake_train, capsys):
-    from ppokit.planner import make_plan
+    from ppokit.config.planner import make_plan
 
     assert main(["train", "--env", "CartPole-v1"]) == 0
     err = " ".join(capsys.readouterr().err.split())
@@ -278,43 +291,62 @@ def test_bare_env_trains_the_planners_config_and_says_so(fake_train, capsys):
     assert (fake_train[0].gamma, fake_train[0].gae_lambda, fake_train[0].learning_rate) == (0.98, 0.8, 1e-3)
 
 
-def test_flags_override_the_planned_config(fake_train, capsys):
-    assert main(["train", "--env", "CartPole-v1", "--learning-rate", "0.01", "--total-timesteps", "2048",
-                 "--quiet"]) == 0
-    cfg = fake_train[0]
+def test_flags_override_the_planned_config(tmp_path, capsys):
+    cfg = _trained(["train", "--env", "CartPole-v1", "--learning-rate", "0.01", "--total-timesteps", "2048",
+                    "--quiet"], tmp_path / "run")
     assert (cfg.learning_rate, cfg.total_timesteps, cfg.gamma) == (0.01, 2048, 0.98)
     assert "planner" not in capsys.readouterr().err  # --quiet
 
 
-def test_unknown_env_gets_the_planners_rules_and_a_preset_or_file_is_not_replaced(fake_train, capsys, tmp_path):
-    assert main(["train", "--env", "ppokit/GridWorld-v0", "--total-timesteps", "4096"]) == 0
+def test_unknown_env_gets_the_planners_rules_and_a_preset_or_file_is_not_replaced(tmp_path, capsys):
+    import dataclasses
+
+    cfg = _trained(["train", "--env", "ppokit/GridWorld-v0", "--total-timesteps", "4096"], tmp_path / "a")
     assert "ppokit's rules" in " ".join(capsys.readouterr().err.split())
-    assert fake_train[0].env_id == "ppokit/GridWorld-v0" and fake_train[0].total_timesteps == 4096
-    assert main(["train", "--preset", "gridworld", "--env", "ppokit/GridWorld-v0"]) == 0
-    assert fake_train[1] == load_preset("gridworld") and "planner" not in capsys.readouterr().err
+    assert cfg.env_id == "ppokit/GridWorld-v0" and cfg.total_timesteps == 4096
+    cfg = _trained(["train", "--preset", "gridworld", "--env", "ppokit/GridWorld-v0", "--total-timesteps", "512"],
+                   tmp_path / "b")
+    preset = dataclasses.replace(load_preset("gridworld"), total_timesteps=512, tensorboard=False,
+                                 run_dir=str(tmp_path / "b"))
+    assert cfg == preset and "planner" not in capsys.readouterr().err
 
 
-def test_bad_flag_with_a_bare_env_is_refused_before_the_env_is_probed(fake_train, capsys, monkeypatch):
-    def no_probe(*a, **kw):
-        raise AssertionError("probed")
+def test_bad_flag_with_a_bare_env_is_refused_before_the_env_is_probed(tmp_path, capsys):
+    import gymnasium as gym
 
-    monkeypatch.setattr("ppokit.planner.probe_env", no_probe)
-    assert main(["train", "--env", "ppokit/GridWorld-v0", "--num-envs", "1e999"]) == 2
-    assert "'num_envs'" in capsys.readouterr().err and fake_train == []
+    from ppokit.envs import GridWorldEnv
+
+    made = []
+
+    class CountedGrid(GridWorldEnv):
+        def __init__(self, **kw):
+            made.append(kw)
+            super().__init__(**kw)
+
+    env_id = "ppokit_test/CountedGrid-v0"
+    gym.register(env_id, entry_point=CountedGrid, max_episode_steps=50)
+    try:
+        gym.make(env_id).close()  # control: building this env is seen
+        assert main(["train", "--env", env_id, "--num-envs", "1e999", "--run-dir", str(tmp_path / "run")]) == 2
+        assert "'num_envs'" in capsys.readouterr().err
+        assert len(made) == 1, "the planner probed the env of a refused command line"
+        assert not (tmp_path / "run").exists()
+    finally:
+        gym.registry.pop(env_id, None)
 
 
-def test_fewer_steps_than_one_batch_is_said(fake_train, capsys):
-    assert main(["train", "--preset", "gridworld", "--total-timesteps", "100", "--quiet"]) == 0
+def test_fewer_steps_than_one_batch_is_said(tmp_path, capsys):
+    _trained(["train", "--preset", "gridworld", "--total-timesteps", "100", "--quiet"], tmp_path / "a")
     err = " ".join(capsys.readouterr().err.split())
     assert "warning:" in err and "total_timesteps=100 is less than one batch" in err and "256" in err
-    assert main(["train", "--preset", "gridworld", "--total-timesteps", "256", "--quiet"]) == 0
+    _trained(["train", "--preset", "gridworld", "--total-timesteps", "256", "--quiet"], tmp_path / "b")
     assert "warning" not in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ resources
 def test_memory_estimate_refuses_what_the_machine_cannot_hold(monkeypatch):
     cfg = PPOConfig(num_envs=8, num_steps=128)
-    monkeypatch.setattr(ppokit.resources, "available_memory", lambda device="cpu": 10 << 30)
+    monkeypatch.setattr(ppokit.config.resources, "available_memory", lambda device="cpu": 10 << 30)
     check_memory(cfg, obs_dim=4)  # CartPole-sized: fine
     with pytest.raises(ConfigError) as e:
         check_memory(cfg, obs_dim=10_000_000)  # 1024 transitions x 40 MB each
@@ -325,12 +357,12 @@ def test_memory_estimate_refuses_what_the_machine_cannot_hold(monkeypatch):
 
 
 def test_the_trainer_repeats_the_memory_check_with_the_real_observation_size(monkeypatch, tmp_path):
-    from ppokit.trainer import train
+    from ppokit.training.trainer import train
 
     cfg = PPOConfig.from_dict({"run_dir": str(tmp_path / "m"), "tensorboard": False}, load_preset("gridworld"))
     # Room for a one-float observation (what validate() assumes) but not for GridWorld's real one.
     room = estimate_memory(cfg, 1) + 1
-    monkeypatch.setattr(ppokit.resources, "available_memory", lambda device="cpu": room)
+    monkeypatch.setattr(ppokit.config.resources, "available_memory", lambda device="cpu": room)
     cfg.validate()
     with pytest.raises(ConfigError) as e:
         train(cfg, console_enabled=False)
@@ -338,12 +370,12 @@ def test_the_trainer_repeats_the_memory_check_with_the_real_observation_size(mon
 
 
 def test_available_memory_reads_the_machine():
-    have = ppokit.resources.available_memory()
+    have = ppokit.config.resources.available_memory()
     assert have is None or have > 0
 
 
 def test_torch_threads_are_capped_at_the_core_count(capsys, tmp_path):
-    from ppokit.trainer import train
+    from ppokit.training.trainer import train
 
     cores = os.cpu_count() or 1
     assert usable_threads(1) == 1
@@ -380,8 +412,8 @@ def test_version_flag(capsys):
 
 
 def test_help_texts_show_the_real_run_dir_layout_and_every_preset(capsys, monkeypatch):
-    from ppokit.config import list_presets
-    from ppokit.trainer import default_run_dir
+    from ppokit.config.ppo_config import list_presets
+    from ppokit.training.trainer import default_run_dir
 
     monkeypatch.setenv("COLUMNS", "300")  # argparse would break 'cartpole-fast' at its hyphen
     name = default_run_dir(PPOConfig(env_id="CartPole-v1", algo="a2c", seed=3)).name
@@ -408,7 +440,7 @@ def test_an_envpool_task_the_planner_cannot_probe_keeps_the_library_defaults(fak
     def no_probe(*a, **kw):
         raise AssertionError("probed")
 
-    monkeypatch.setattr("ppokit.planner.probe_env", no_probe)
+    monkeypatch.setattr("ppokit.config.planner.probe_env", no_probe)
     assert main(["train", "--env", "Pong-v5", "--vector-mode", "envpool", "--num-envs", "8"]) == 0
     assert fake_train[0] == PPOConfig(env_id="Pong-v5", vector_mode="envpool", num_envs=8)
     assert "library defaults for Pong-v5" in " ".join(capsys.readouterr().err.split())
@@ -419,8 +451,8 @@ def test_an_image_observation_is_counted_in_bytes_not_floats():
     import numpy as np
     import torch
 
-    from ppokit.encoders import observation_encoder
-    from ppokit.resources import layout_bytes
+    from ppokit.config.resources import layout_bytes
+    from ppokit.envs.encoders import observation_encoder
 
     frames = observation_encoder(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)).layout()
     assert layout_bytes(frames) == 4 * 84 * 84

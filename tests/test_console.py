@@ -9,9 +9,9 @@ import re
 
 from rich.console import Console
 
-from ppokit.config import load_preset
-from ppokit.logger import ConsoleSink
-from ppokit.trainer import train
+from ppokit.config.ppo_config import load_preset
+from ppokit.runtime.logger import ConsoleSink
+from ppokit.training.trainer import train
 
 LINE = re.compile(r"^update [\d,]+ step [\d,]+ return (-|-?[\d.]+) kl (-|\S+) clipfrac (-|\S+) ev (-|\S+) "
                   r"sps (-|[\d,]+)$")

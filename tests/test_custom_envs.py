@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
 
-from ppokit.agent import evaluate, load
-from ppokit.checkpoint import CheckpointError, load_checkpoint
 from ppokit.cli import main
-from ppokit.config import ConfigError, PPOConfig
+from ppokit.config.ppo_config import ConfigError, PPOConfig
 from ppokit.envs import make_vec_env
-from ppokit.trainer import Trainer, resume, train
+from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint
+from ppokit.training.agent import evaluate, load
+from ppokit.training.trainer import Trainer, resume, train
 
 SMALL = dict(num_steps=16, num_minibatches=2, update_epochs=1, total_timesteps=64, tensorboard=False, log_every=1)
 
@@ -78,8 +78,13 @@ class OneHot(gym.ObservationWrapper):
         return out
 
 
+LAKES_BUILT: list[tuple[dict, bool]] = []  # (env_kwargs, slippery) of every FrozenLake built in this process
+
+
 def _frozen_lake_one_hot(**kwargs):
-    return OneHot(FrozenLakeEnv(**kwargs))
+    lake = FrozenLakeEnv(**kwargs)
+    LAKES_BUILT.append((dict(kwargs), _slippery(lake)))
+    return OneHot(lake)
 
 
 LAKE = "ppokit_test/FrozenLakeOneHot-v0"
@@ -244,30 +249,22 @@ def test_an_id_given_as_env_replaces_the_configs(tmp_path):
 
 
 # ------------------------------------------------------------------ env_kwargs
-def test_env_kwargs_from_the_cli_reach_config_toml_the_env_and_a_resume(tmp_path, monkeypatch, capsys):
-    import ppokit.envs
-
-    built = []
-    real = ppokit.envs.make_vec_env
-
-    def spy(env_id, num_envs, seed, vector_mode="sync", env_kwargs=None, env_fn=None):
-        envs = real(env_id, num_envs, seed, vector_mode, env_kwargs, env_fn=env_fn)
-        built.append((dict(env_kwargs or {}), [_slippery(e) for e in envs.envs]))
-        return envs
-
-    monkeypatch.setattr(ppokit.envs, "make_vec_env", spy)
+def test_env_kwargs_from_the_cli_reach_config_toml_the_env_and_a_resume(tmp_path, capsys):
+    kwargs = {"is_slippery": False, "map_name": "4x4"}
+    LAKES_BUILT.clear()
     run_dir = tmp_path / "run"
     argv = ["train", "--env", LAKE, "--env-kwargs", '{"is_slippery": false, "map_name": "4x4"}', "--num-envs", "2",
             "--num-steps", "32", "--total-timesteps", "64", "--run-dir", str(run_dir), "--quiet", "--no-tensorboard"]
     assert main(argv) == 0, capsys.readouterr().err
-    assert built == [({"is_slippery": False, "map_name": "4x4"}, [False, False])]
+    # Every lake the run built (the planner's probe, both training envs) took the kwargs: none is slippery.
+    assert len(LAKES_BUILT) >= 2 and all(built == (kwargs, False) for built in LAKES_BUILT), LAKES_BUILT
     assert 'env_kwargs = {is_slippery = false, map_name = "4x4"}' in (run_dir / "config.toml").read_text()
-    assert PPOConfig.from_toml(run_dir / "config.toml").env_kwargs == {"is_slippery": False, "map_name": "4x4"}
-    assert load_checkpoint(run_dir / "checkpoint.pt")["config"]["env_kwargs"] == {"is_slippery": False,
-                                                                                 "map_name": "4x4"}
+    assert PPOConfig.from_toml(run_dir / "config.toml").env_kwargs == kwargs
+    assert load_checkpoint(run_dir / "checkpoint.pt")["config"]["env_kwargs"] == kwargs
 
+    LAKES_BUILT.clear()
     assert main(["train", "--resume", str(run_dir), "--total-timesteps", "128", "--quiet"]) == 0
-    assert built[-1] == ({"is_slippery": False, "map_name": "4x4"}, [False, False])
+    assert len(LAKES_BUILT) >= 2 and all(built == (kwargs, False) for built in LAKES_BUILT), LAKES_BUILT
     # The default really is slippery, so the assertions above could fail.
     assert _slippery(gym.make(LAKE)) and not _slippery(gym.make("FrozenLake-v1", is_slippery=False))
 

@@ -12,13 +12,13 @@ from gymnasium import spaces
 
 import ppokit
 from ppokit.cli import main
-from ppokit.config import load_preset
-from ppokit.encoders import DictEncoder, ImageEncoder, OneHotEncoder, encoder_from_spec, observation_encoder
+from ppokit.config.ppo_config import load_preset
 from ppokit.envs import check_spaces
+from ppokit.envs.encoders import DictEncoder, ImageEncoder, OneHotEncoder, encoder_from_spec, observation_encoder
 from ppokit.envs.errors import EnvError, check_obs_batch
-from ppokit.epochs import Batch
-from ppokit.networks import EncoderActorCritic
-from ppokit.trainer import Trainer
+from ppokit.policies.encoder_networks import EncoderActorCritic
+from ppokit.training.trainer import Trainer
+from ppokit.update.epochs import Batch
 
 
 class _PixelsAndCue(gym.Env):

@@ -1,4 +1,4 @@
-"""Data-parallel PPO (``ppokit.distributed``): K ranks under torchrun are one job.
+"""Data-parallel PPO (``ppokit.runtime.distributed``): K ranks under torchrun are one job.
 
 The behaviour tests launch real ranks on this machine (gloo on 127.0.0.1, free ports, tiny CartPole budgets,
 every subprocess under a hard timeout) and compare what rank 0 records with ``PPOKIT_DIST_CHECKSUMS``: after
@@ -8,6 +8,7 @@ the merges against direct computations.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -20,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppokit import distributed
-from ppokit.distributed import Dist, combine_moments
-from ppokit.normalize import RunningMeanStd
+from ppokit.rollout.normalize import RunningMeanStd
+from ppokit.runtime import distributed
+from ppokit.runtime.distributed import Dist, combine_moments
 
 # Seconds for any one launch: a few seconds each on an idle machine, but a bound, not a wait (every wait polls),
 # generous enough for a loaded machine (checked under taskset -c 0 beside a busy loop).
@@ -154,7 +155,7 @@ def test_kl_early_stop_on_every_rank_together_does_not_hang(two_node_run):
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
-    from ppokit.trainer import resume
+    from ppokit.training.trainer import resume
 
     src, proc = two_rank_run
     _ok(proc)
@@ -167,9 +168,9 @@ def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
 
 
 def test_one_process_checkpoint_resumes_in_two_ranks(tmp_path):
-    from ppokit.commands.train import config_from_args
     from ppokit.cli import build_parser
-    from ppokit.trainer import train
+    from ppokit.cli.train import config_from_args
+    from ppokit.training.trainer import train
 
     args = build_parser().parse_args(["train", *BASE, "--total-timesteps", "128"])
     train(config_from_args(args), run_dir=tmp_path / "run", console_enabled=False)  # 2 updates of 64
@@ -186,7 +187,7 @@ def test_a_lost_rank_is_named_by_the_survivor_within_the_timeout(sig, tmp_path):
     """kill -9 (its sockets close: noticed at once) or SIGSTOP (it just stops answering: noticed when the
     collective times out) of rank 1: rank 0 exits non-zero within dist_timeout, naming rank 1; its checkpoint
     loads."""
-    from ppokit.checkpoint import LEARNER_KEYS, load_checkpoint
+    from ppokit.runtime.checkpoint import LEARNER_KEYS, load_checkpoint
 
     port, run_dir, timeout = _free_port(), tmp_path / "run", 8
     args = [*BASE, "--total-timesteps", "10000000", "--save-every", "1", "--dist-timeout", str(timeout),
@@ -234,6 +235,16 @@ def test_combine_moments_equals_the_moments_of_the_concatenation():
     torch.testing.assert_close(v, allx.var(0, unbiased=False), rtol=0, atol=1e-12)
 
 
+def _two_ranks_gather(monkeypatch, peer_rows):
+    """``torch.distributed.all_gather`` of a two-rank job as rank 0 sees it: its own tensor, then ``next(peer_rows)``
+    as rank 1's (the collective replaced, not ppokit's code around it)."""
+    def all_gather(out, t):
+        out[0].copy_(t)
+        out[1].copy_(next(peer_rows))
+
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+
+
 def test_merged_normalizer_statistics_equal_one_normalizer_over_every_rank_batch(monkeypatch):
     """Rank 0's RunningMeanStd, merging a peer's batches through ``Dist.merge_moments`` (the all-gather replaced
     by the peer's row), ends where one RunningMeanStd fed both ranks' batches ends."""
@@ -243,7 +254,7 @@ def test_merged_normalizer_statistics_equal_one_normalizer_over_every_rank_batch
     dist = Dist(rank=0, world_size=2)
     rows = iter([torch.cat([torch.tensor([4.0], dtype=torch.float64), b.mean(0), b.var(0, unbiased=False)])
                  for b in peer])
-    monkeypatch.setattr(dist, "_gather_tensor", lambda row: torch.stack([row, next(rows)]))
+    _two_ranks_gather(monkeypatch, rows)
     merged, reference = RunningMeanStd(2), RunningMeanStd(2)
     merged.reduce = dist.merge_moments
     for a, b in zip(mine, peer):
@@ -273,7 +284,7 @@ def test_sync_hook_averages_gradients_and_stats_in_one_all_reduce(monkeypatch):
 
 
 def test_schedule_counts_every_rank_and_reduces_to_num_updates_in_one_process():
-    from ppokit.config import PPOConfig
+    from ppokit.config.ppo_config import PPOConfig
 
     cfg = PPOConfig(num_envs=4, num_steps=16, total_timesteps=1000)
     assert distributed.LOCAL.schedule(1000, 64, 0, 0) == (cfg.num_updates, cfg.num_updates * 64)
@@ -285,7 +296,7 @@ def test_schedule_counts_every_rank_and_reduces_to_num_updates_in_one_process():
 
 def test_nproc_relaunch_reproduces_every_given_flag():
     from ppokit.cli import build_parser
-    from ppokit.commands.train import _child_argv
+    from ppokit.cli.train import _child_argv
 
     argv = ["train", "--nproc", "2", "--env", "CartPole-v1", "--num-envs", "3", "--no-fused-update",
             "--hidden-sizes", "8,8", "--quiet", "--import-module", "x", "--run-dir", "r"]
@@ -308,9 +319,9 @@ def test_env_and_torch_seeds_of_the_ranks_never_overlap():
 def test_a_rollout_backend_plugs_in_without_touching_the_learner(tmp_path):
     """``train(rollout=...)`` builds the rollout side from Collector's arguments: a backend that wraps the local
     Collector (standing in for remote workers) trains the same run, bit for bit, as the Collector itself."""
-    from ppokit.collector import Collector
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import train
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.rollout.collector import Collector
+    from ppokit.training.trainer import train
 
     calls = []
 
@@ -334,9 +345,9 @@ def test_a_rollout_backend_plugs_in_without_touching_the_learner(tmp_path):
 
 
 def test_the_collector_is_the_rollout_source_the_trainer_reads(tmp_path):
-    from ppokit.config import PPOConfig
-    from ppokit.rollout_source import RolloutSource
-    from ppokit.trainer import Trainer
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.rollout.source import RolloutSource
+    from ppokit.training.trainer import Trainer
 
     trainer = Trainer(PPOConfig(env_id="CartPole-v1", num_envs=2, num_steps=8, total_timesteps=16,
                                 tensorboard=False), run_dir=tmp_path / "run", console_enabled=False)
@@ -433,7 +444,7 @@ def test_shard_splits_whole_items_and_refuses_an_uneven_split():
 def test_whitening_over_the_ranks_equals_normalize_over_the_whole_batch(monkeypatch):
     """Rank 0's half of ``Dist.whiten`` (the peer's moments in place of the all-gather) is the first half of
     ``advantages.normalize`` over both halves with the mask."""
-    from ppokit.advantages import normalize
+    from ppokit.core.advantages import normalize
 
     torch.manual_seed(2)
     x = torch.randn(6, 5) * 3 + 1
@@ -442,7 +453,7 @@ def test_whitening_over_the_ranks_equals_normalize_over_the_whole_batch(monkeypa
     peer_row = torch.tensor([float(peer.numel()), float(peer.mean()), float(peer.var(unbiased=False))],
                             dtype=torch.float64)
     dist = Dist(rank=0, world_size=2)
-    monkeypatch.setattr(dist, "_gather_tensor", lambda row: torch.stack([row, peer_row]))
+    _two_ranks_gather(monkeypatch, itertools.repeat(peer_row))
     torch.testing.assert_close(dist.whiten(x[:3], mask[:3]), normalize(x, mask=mask)[:3], rtol=0, atol=1e-6)
     assert torch.equal(distributed.LOCAL.whiten(x, mask), normalize(x, mask=mask))
 
@@ -458,8 +469,8 @@ def test_a_bad_nproc_is_one_line_and_exit_code_2(capsys):
 def test_logged_diagnostics_are_those_of_both_ranks_data_together(monkeypatch):
     """``Dist.diagnostics`` on rank 0, the peer's row in place of the all-gather, against the single-process
     formulas (``explained_variance``, ``Tensor.std``, episode means) applied to both ranks' data concatenated."""
-    from ppokit import schema as S
-    from ppokit.objectives import explained_variance
+    from ppokit.core import schema as S
+    from ppokit.core.objectives import explained_variance
 
     torch.manual_seed(3)
 
@@ -471,12 +482,16 @@ def test_logged_diagnostics_are_those_of_both_ranks_data_together(monkeypatch):
     ep_mine, ep_theirs = [(10.0, 10), (20.0, 20)], [(40.0, 40)]
     peer = Dist(rank=1, world_size=2)
     captured = {}
-    monkeypatch.setattr(peer, "_gather",
-                        lambda row: captured.setdefault("row", torch.tensor(row, dtype=torch.float64)).expand(2, -1))
+
+    def peer_gather(out, t):  # rank 1's all_gather: keep the row it sends
+        captured["row"] = t.clone()
+        for o in out:
+            o.copy_(t)
+
+    monkeypatch.setattr(torch.distributed, "all_gather", peer_gather)
     peer.diagnostics(ep_theirs, *theirs, nonfinite_env=1, advantages_nonfinite=2.0)
     dist = Dist(rank=0, world_size=2)
-    monkeypatch.setattr(dist, "_gather", lambda row: torch.stack([torch.tensor(row, dtype=torch.float64),
-                                                                   captured["row"].double()]))
+    _two_ranks_gather(monkeypatch, itertools.repeat(captured["row"]))
     got = dist.diagnostics(ep_mine, *mine, nonfinite_env=0, advantages_nonfinite=0.0)
     v, y, r, a = (torch.cat([m, t]).double() for m, t in zip(mine, theirs))
     assert got[S.EPISODIC_RETURN] == pytest.approx(70 / 3) and got[S.EPISODES] == 3
@@ -491,16 +506,20 @@ def test_logged_diagnostics_are_those_of_both_ranks_data_together(monkeypatch):
 def test_every_rank_runs_the_minibatch_count_of_the_smallest_batch(monkeypatch):
     """A rank whose rollout kept 3 valid steps makes only 3 non-empty minibatches of 4: every rank must run 3
     (one all-reduce each), or the others wait for a fourth that never comes."""
-    from ppokit.epochs import UpdateSettings, minibatch_sizes
+    from ppokit.update.epochs import UpdateSettings, minibatch_sizes
 
     s = UpdateSettings(algo="ppo", update_epochs=1, num_minibatches=4, clip_coef=0.2, clip_vloss=True,
                        norm_adv=True, ent_coef=0.0, vf_coef=0.5, max_grad_norm=0.5, target_kl=None)
     dist = Dist(rank=0, world_size=2)
-    monkeypatch.setattr(dist, "_reduce", lambda values, op=None: [min(values[0], 3.0)])  # the peer kept 3
+    def all_reduce_min_with_3(t, op=None):  # the peer kept 3
+        assert op == torch.distributed.ReduceOp.MIN
+        t.clamp_(max=3.0)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce_min_with_3)
     agreed = dist.agree_minibatches(s, 64)
     assert agreed.num_minibatches == 3 and len(minibatch_sizes(64, agreed.num_minibatches)) == len(
         minibatch_sizes(3, 4))
-    monkeypatch.setattr(dist, "_reduce", lambda values, op=None: [values[0]])
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: None)  # the peer kept as many
     assert dist.agree_minibatches(s, 64) is s and distributed.LOCAL.agree_minibatches(s, 3) is s
 
 
@@ -508,7 +527,7 @@ def test_every_rank_runs_the_minibatch_count_of_the_smallest_batch(monkeypatch):
 def test_sigterm_to_torchrun_makes_every_rank_finish_the_update_and_save(tmp_path):
     """Preemption (Slurm, Kubernetes, or torchrun's own shutdown) sends SIGTERM: the ranks agree to stop, rank 0
     checkpoints the update it finished (no periodic checkpoint is due: save_every is large)."""
-    from ppokit.checkpoint import load_checkpoint
+    from ppokit.runtime.checkpoint import load_checkpoint
 
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ppokit",
@@ -539,15 +558,15 @@ def test_bench_distributed_smoke():
     assert "| 1 rank | " in proc.stdout and "1.00x / 1.00x" in proc.stdout
 
 
-# ---------------------------------------------------------------------- the --nproc launcher (ppokit.launcher)
+# ---------------------------------------------------------------------- the --nproc launcher (ppokit.runtime.launcher)
 def _proc_children(pid: int) -> list[int]:
-    from ppokit.launcher import _children
+    from ppokit.runtime.launcher import _children
 
     return sorted(_children(pid))
 
 
 def _alive(pids: list[int]) -> list[int]:
-    from ppokit.launcher import _start_time
+    from ppokit.runtime.launcher import _start_time
 
     return [p for p in pids if _start_time(p) is not None]
 
@@ -591,9 +610,8 @@ def test_a_signal_to_the_nproc_launcher_stops_every_rank_after_a_checkpoint(sig,
     """SIGINT (Ctrl-C) or SIGTERM to ``ppokit train --nproc 2``: torchrun and both ranks are gone when it exits
     with 130 / 143, rank 0 saved the update it finished (save_every is large: only the stop saves), and the
     metrics stop growing."""
-    from ppokit.checkpoint import load_checkpoint
-
-    from ppokit.launcher import SHUTDOWN_S
+    from ppokit.runtime.checkpoint import load_checkpoint
+    from ppokit.runtime.launcher import SHUTDOWN_S
 
     launcher, agent, ranks = _nproc_run(tmp_path)
     try:
@@ -616,7 +634,7 @@ def test_a_signal_to_the_nproc_launcher_stops_every_rank_after_a_checkpoint(sig,
 
 def test_kill_9_of_the_nproc_launcher_leaves_no_rank_or_torchrun_behind(tmp_path):
     """The launcher's pipe closes with it: torchrun stops its ranks as for SIGTERM (rank 0 saves)."""
-    from ppokit.checkpoint import load_checkpoint
+    from ppokit.runtime.checkpoint import load_checkpoint
 
     launcher, agent, ranks = _nproc_run(tmp_path)
     try:
@@ -647,7 +665,7 @@ def test_kill_9_of_one_rank_under_nproc_is_one_line_naming_it(tmp_path):
 
 
 def test_the_failure_line_names_the_lost_rank_and_how_it_ended():
-    from ppokit.launcher import describe_failures
+    from ppokit.runtime.launcher import describe_failures
 
     # torchrun's SIGTERM to the survivor is its stop, not the news; exit codes 1 and 2 said their own line.
     assert describe_failures({0: -15, 1: -9}, 2) == ("rank 1 of 2 was killed by SIGKILL (signal 9); the other ranks were "

@@ -10,10 +10,10 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
+from ppokit.analysis.doctor import diagnose
 from ppokit.cli import main
-from ppokit.config import PPOConfig, load_preset
-from ppokit.doctor import diagnose
-from ppokit.trainer import train
+from ppokit.config.ppo_config import PPOConfig, load_preset
+from ppokit.training.trainer import train
 
 ZERO_ID = "ppokit_test/ZeroRewardCartPole-v0"
 
@@ -58,7 +58,7 @@ def test_learning_rate_zero_is_an_optimization_link_problem(tmp_path, capsys):
     run_dir = _run(tmp_path, "lr0", learning_rate=0.0, total_timesteps=6000)
     d, cause = _first(run_dir)
     assert cause == "lr_zero", d.to_text()
-    # The lesson's Q3 order was followed: the signal passed, the optimization link failed.
+    # The debugging checklist's order was followed: the signal passed, the optimization link failed.
     assert d.checks[0].startswith("1 signal validity") and "ok" in d.checks[0]
     assert "PROBLEM" in d.checks[1]
     assert main(["doctor", str(run_dir), "--json"]) == 1
@@ -171,8 +171,8 @@ def test_kl_monitoring_off_is_said_by_the_doctor(tmp_path):
                             "the run"]
 
 
-def test_the_doctor_runs_its_rules_in_the_lessons_order():
-    from ppokit.doctor import RULES
+def test_the_doctor_runs_its_rules_in_the_debugging_checklists_order():
+    from ppokit.analysis.doctor import RULES
 
     names = [r.__name__.removeprefix("_rule_") for r in RULES]
     # signal validity -> optimization link -> trust region -> entropy/exploration -> critic -> "steps too small".
@@ -272,7 +272,7 @@ def test_an_entropy_collapse_fix_never_suggests_the_value_the_config_has(tmp_pat
 
 
 def test_raise_fix_is_relative_to_the_current_value():
-    from ppokit.doctor_rules import raise_fix
+    from ppokit.analysis.doctor_rules import raise_fix
 
     assert raise_fix("ent_coef", 0.01, 0.01) == "raise ent_coef above 0.01 (e.g. 0.02)"
     assert raise_fix("ent_coef", 0.0, 0.01) == "raise ent_coef from 0.0 (e.g. 0.01)"
@@ -281,7 +281,7 @@ def test_raise_fix_is_relative_to_the_current_value():
 
 
 def test_the_trend_ignores_the_window_its_jump_is_in():
-    from ppokit.doctor_rules import trend
+    from ppokit.analysis.doctor_rules import trend
 
     # 0 -> 1 at the second value (DPO's accuracy): the start is the value before the jump, not a window's mean.
     t = trend([0.0] + [1.0] * 39, lambda start: 0.05)
@@ -298,7 +298,7 @@ def test_the_trend_ignores_the_window_its_jump_is_in():
 
 def test_a_three_update_atari_run_is_too_short_to_judge(tmp_path, capsys):
     pytest.importorskip("ale_py", reason="needs pip install -e '.[atari]'")
-    from ppokit.doctor_rules import MIN_UPDATES_TO_JUDGE
+    from ppokit.analysis.doctor_rules import MIN_UPDATES_TO_JUDGE
 
     config = PPOConfig.from_dict({"tensorboard": False, "num_envs": 2, "num_steps": 32, "total_timesteps": 3 * 64,
                                   "num_minibatches": 2, "update_epochs": 1}, load_preset("atari"))
@@ -325,7 +325,7 @@ def trained_run(tmp_path_factory):
 def test_an_unreadable_checkpoint_is_named_by_doctor_and_report(trained_run, tmp_path, capsys, damage):
     import shutil
 
-    from ppokit.report import build_report
+    from ppokit.analysis.report import build_report
 
     run_dir = Path(shutil.copytree(trained_run, tmp_path / "ckpt"))
     ckpt = run_dir / "checkpoint.pt"

@@ -11,12 +11,12 @@ from gymnasium import spaces
 
 import ppokit
 from ppokit.cli import main
-from ppokit.config import ConfigError, load_preset
-from ppokit.encoders import BoxEncoder, OneHotEncoder, encoder_from_spec, observation_encoder
+from ppokit.config.ppo_config import ConfigError, load_preset
 from ppokit.envs import check_spaces
+from ppokit.envs.encoders import BoxEncoder, OneHotEncoder, encoder_from_spec, observation_encoder
 from ppokit.envs.errors import EnvError, check_obs_batch
 from ppokit.policies import build_policy
-from ppokit.trainer import Trainer, train
+from ppokit.training.trainer import Trainer, train
 
 
 class _ShiftedDiscreteEnv(gym.Env):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.checkpoint import load_checkpoint, save_checkpoint
-from ppokit.config import PPOConfig
+from ppokit.config.ppo_config import PPOConfig
 from ppokit.envs.state import capture_env_state, restore_env_state
-from ppokit.trainer import CHECKPOINT_NAME, resume, train
+from ppokit.runtime.checkpoint import load_checkpoint, save_checkpoint
+from ppokit.training.trainer import CHECKPOINT_NAME, resume, train
 
 torch.set_num_threads(1)
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.config import PPOConfig
+from ppokit.config.ppo_config import PPOConfig
 from ppokit.envs import make_vec_env
 from ppokit.envs.state import capture_env_state
-from ppokit.trainer import resume, train
+from ppokit.training.trainer import resume, train
 
 # The whole module needs the optional package; without it every test here skips with this reason.
 pytest.importorskip("envpool", reason="the envpool backend needs pip install -e '.[envpool]'")

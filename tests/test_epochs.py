@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from ppokit.epochs import STAT_NAMES, Batch, MinibatchResult, UpdateSettings, minibatch_sizes, ppo_epochs
-from ppokit.flat_adam import FlatAdam
-from ppokit.fused_step import FusedStep
+from ppokit.kernels.flat_adam import FlatAdam
+from ppokit.kernels.fused_step import FusedStep
 from ppokit.policies import ActorCritic
-from ppokit.update import AutogradStep
+from ppokit.update.autograd import AutogradStep
+from ppokit.update.epochs import STAT_NAMES, Batch, MinibatchResult, UpdateSettings, minibatch_sizes, ppo_epochs
 
 COUNTERS = ("minibatches", "skipped_minibatches", "epochs_run", "early_stopped")
 
@@ -173,7 +173,7 @@ def make_batch(policy: ActorCritic, B: int) -> Batch:
 def make_step(kind: str, policy: ActorCritic, lr: float):
     if kind == "autograd":
         return AutogradStep(policy, torch.optim.Adam(policy.parameters(), lr=lr))
-    return FusedStep(FlatAdam(policy, lr=lr))
+    return FusedStep(policy, FlatAdam(policy, lr=lr))
 
 
 STEPS = ["autograd", "fused"]

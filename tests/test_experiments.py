@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ppokit import experiments as ex
+from ppokit.analysis import experiments as ex
 from ppokit.cli import main
-from ppokit.config import ConfigError, PPOConfig, load_preset
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -239,8 +239,8 @@ def test_compare_writes_stability_and_beta(tmp_path):
 
 
 def test_clear_partial_takes_a_run_dir_killed_before_its_config_but_keeps_a_foreign_dir(tmp_path):
-    from ppokit.config import ConfigError
-    from ppokit.experiments import _clear_partial
+    from ppokit.analysis.experiments import _clear_partial
+    from ppokit.config.ppo_config import ConfigError
 
     killed = tmp_path / "killed"
     killed.mkdir()

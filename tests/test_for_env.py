@@ -8,8 +8,8 @@ import pytest
 
 import ppokit
 from ppokit.cli import build_parser
-from ppokit.commands.train import resolve_config
-from ppokit.config import ConfigError, PPOConfig, load_preset
+from ppokit.cli.train import resolve_config
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 
 
 def _cli_config(*flags: str) -> PPOConfig:

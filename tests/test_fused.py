@@ -9,10 +9,13 @@ import math
 import pytest
 import torch
 
-from ppokit.config import PPOConfig
-from ppokit.fused import FlatAdam, fused_ppo_update, supports, unsupported_reason
+from ppokit.config.ppo_config import PPOConfig
+from ppokit.kernels.acting import ActingKernel
+from ppokit.kernels.flat_adam import FlatAdam
+from ppokit.kernels.fused_step import fused_ppo_update
+from ppokit.kernels.mlp_backward import MLPLossKernel, supports, unsupported_reason
 from ppokit.policies import ActorCritic
-from ppokit.update import STAT_NAMES, Batch, UpdateSettings, minibatch_loss, ppo_update
+from ppokit.update.autograd import STAT_NAMES, Batch, UpdateSettings, minibatch_loss, ppo_update
 
 KINDS = ["discrete", "continuous"]
 ACTIVATIONS = ["tanh", "relu"]
@@ -57,14 +60,14 @@ def autograd_grads(policy, mb, s):
 
 def fused_grads(policy, mb, s):
     """Fused: loss, stats and per-parameter gradients (views into the flat gradient)."""
-    from ppokit.advantages import normalize
-    from ppokit.fused_step import host_stats
+    from ppokit.core.advantages import normalize
+    from ppokit.kernels.fused_step import host_stats
 
-    opt = FlatAdam(policy, lr=1e-3)
+    kernel = MLPLossKernel(policy, FlatAdam(policy, lr=1e-3))
     adv = normalize(mb.advantages) if s.norm_adv else mb.advantages
-    opt.kernel.loss_and_grad(mb.obs, mb.actions, mb.logp_old, mb.values_old, adv, mb.returns, s)
-    opt.kernel.grad_norm_into_stats()
-    loss, stats = host_stats(opt.kernel.stat_buf.tolist(), s)
+    kernel.loss_and_grad(mb.obs, mb.actions, mb.logp_old, mb.values_old, adv, mb.returns, s)
+    kernel.grad_norm_into_stats()
+    loss, stats = host_stats(kernel.stat_buf.tolist(), s)
     assert tuple(stats) == STAT_NAMES
     return loss, stats, [p.grad.clone() for p in policy.parameters()]
 
@@ -250,7 +253,7 @@ def cartpole_config(tmp_path, fused: bool, name: str) -> PPOConfig:
 
 @pytest.mark.slow
 def test_training_with_fused_on_and_off_gives_the_same_first_updates(tmp_path):
-    from ppokit.trainer import Trainer, train
+    from ppokit.training.trainer import Trainer, train
 
     assert Trainer(cartpole_config(tmp_path, True, "probe"), console_enabled=False).fused
     on = train(cartpole_config(tmp_path, True, "on"), console_enabled=False)
@@ -267,8 +270,8 @@ def test_training_with_fused_on_and_off_gives_the_same_first_updates(tmp_path):
 
 
 def test_fused_checkpoints_resume_in_either_mode(tmp_path):
-    from ppokit.checkpoint import load_checkpoint
-    from ppokit.trainer import CHECKPOINT_NAME, Trainer, resume, train
+    from ppokit.runtime.checkpoint import load_checkpoint
+    from ppokit.training.trainer import CHECKPOINT_NAME, Trainer, resume, train
 
     cfg = cartpole_config(tmp_path, True, "run")
     cfg.total_timesteps = 4 * 64 * 2
@@ -290,7 +293,7 @@ def test_fused_checkpoints_resume_in_either_mode(tmp_path):
         assert torch.equal(sd["state"][i]["exp_avg"], entry["exp_avg"])
 
 
-# ---------------------------------------------------------------------- acting (FusedKernel.act)
+# ---------------------------------------------------------------------- acting (ActingKernel.act)
 def acting_pair(kind, activation, dtype=torch.float32, hidden=(16, 12), obs_dim=5, seed=0):
     """A policy with its FlatAdam, and an independent deep copy (plain module) as the reference actor."""
     torch.manual_seed(seed)
@@ -303,15 +306,20 @@ def acting_pair(kind, activation, dtype=torch.float32, hidden=(16, 12), obs_dim=
     return pol, FlatAdam(pol, lr=1e-2), ref
 
 
+def acting_kernel(pol, opt):
+    """The acting kernel on ``pol``'s parameters as ``opt`` writes them (the trainer's pairing)."""
+    return ActingKernel(pol, opt)
+
+
 def assert_acts_like(kernel, ref, obs, tol, deterministic=False, seed=11):
     """Same RNG state in, same actions out; logp and values within ``tol`` (relative to magnitude, at least 1)."""
     torch.manual_seed(seed)
     with torch.inference_mode():
-        a_ref, lp_ref, v_ref = ref.act(obs, deterministic)
+        a_ref, lp_ref, v_ref, _ = ref.act(obs, None, None, deterministic=deterministic)
     after_ref = torch.rand(3)
     torch.manual_seed(seed)
     with torch.inference_mode():
-        a, lp, v = kernel.act(obs, deterministic)
+        a, lp, v, _ = kernel.act(obs, None, None, deterministic=deterministic)
     # The kernel consumed exactly the random numbers the reference did: the next draws agree.
     assert torch.equal(torch.rand(3), after_ref)
     assert a.shape == a_ref.shape and lp.shape == lp_ref.shape == v.shape == v_ref.shape == (obs.shape[0],)
@@ -329,12 +337,13 @@ def assert_acts_like(kernel, ref, obs, tol, deterministic=False, seed=11):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 def test_acting_matches_policy_act_across_batch_sizes_and_updates(kind, activation, dtype, tol):
     pol, opt, ref = acting_pair(kind, activation, dtype)
+    kernel = acting_kernel(pol, opt)
     g = torch.Generator().manual_seed(2)
     sizes = [1, 8, 37, 1024]
     for B in sizes:  # fresh weights
         obs = 2.0 * torch.randn(B, pol.obs_dim, generator=g, dtype=dtype)
-        assert_acts_like(opt.kernel, ref, obs, tol, seed=B)
-        assert_acts_like(opt.kernel, ref, obs, tol, deterministic=True)
+        assert_acts_like(kernel, ref, obs, tol, seed=B)
+        assert_acts_like(kernel, ref, obs, tol, deterministic=True)
     s = settings(True, update_epochs=2, num_minibatches=2)
     for step in range(3):  # after optimizer steps the acting weights follow the parameters
         batch = make_batch(pol, 64, True, seed=step)
@@ -342,7 +351,7 @@ def test_acting_matches_policy_act_across_batch_sizes_and_updates(kind, activati
         ref.load_state_dict(pol.state_dict())
         for B in sizes:
             obs = torch.randn(B, pol.obs_dim, generator=g, dtype=dtype)
-            assert_acts_like(opt.kernel, ref, obs, tol, seed=100 * step + B)
+            assert_acts_like(kernel, ref, obs, tol, seed=100 * step + B)
     # The parameters really moved, so a stale cache would have failed above.
     start = acting_pair(kind, activation, dtype)[0]
     assert any((p - q).abs().max() > 1e-3 for p, q in zip(pol.parameters(), start.parameters()))
@@ -351,34 +360,35 @@ def test_acting_matches_policy_act_across_batch_sizes_and_updates(kind, activati
 @pytest.mark.parametrize("kind", KINDS)
 def test_acting_sees_load_state_dict_and_inplace_parameter_writes(kind):
     pol, opt, ref = acting_pair(kind, "tanh")
+    kernel = acting_kernel(pol, opt)
     obs = torch.randn(64, pol.obs_dim)
-    assert_acts_like(opt.kernel, ref, obs, 1e-5)  # builds and caches the acting weights
+    assert_acts_like(kernel, ref, obs, 1e-5)  # builds and caches the acting weights
     # policy.load_state_dict writes the flat buffer through the parameter views (a checkpoint resume does this).
     other = acting_pair(kind, "tanh", seed=7)[2]
     pol.load_state_dict(other.state_dict())
-    assert_acts_like(opt.kernel, other, obs, 1e-5)
+    assert_acts_like(kernel, other, obs, 1e-5)
     # An in-place edit of one parameter (here the critic's last bias, under inference mode) is seen too.
     with torch.inference_mode():
         pol.critic[-1].bias.add_(3.0)
     with torch.no_grad():
         other.critic[-1].bias.add_(3.0)
-    _, _, v = assert_acts_like(opt.kernel, other, obs, 1e-5)
+    _, _, v = assert_acts_like(kernel, other, obs, 1e-5)
     # Writes through .data bypass every version counter: invalidate() is the documented way to announce them.
     pol.actor[0].weight.data.mul_(0.5)
     with torch.no_grad():
         other.actor[0].weight.mul_(0.5)
-    opt.kernel.invalidate()
-    assert_acts_like(opt.kernel, other, obs, 1e-5)
+    kernel.invalidate()
+    assert_acts_like(kernel, other, obs, 1e-5)
     # FlatAdam.step on its own (without fused_ppo_update) invalidates as well.
     opt.flat.grad.normal_()
     opt.step()
     other.load_state_dict(pol.state_dict())
-    assert_acts_like(opt.kernel, other, obs, 1e-5)
+    assert_acts_like(kernel, other, obs, 1e-5)
 
 
 def test_acting_after_checkpoint_resume_matches_the_restored_policy(tmp_path):
-    from ppokit.checkpoint import load_checkpoint
-    from ppokit.trainer import CHECKPOINT_NAME, Trainer, train
+    from ppokit.runtime.checkpoint import load_checkpoint
+    from ppokit.training.trainer import CHECKPOINT_NAME, Trainer, train
 
     cfg = cartpole_config(tmp_path, True, "run")
     cfg.total_timesteps = 4 * 64 * 2
@@ -388,14 +398,14 @@ def test_acting_after_checkpoint_resume_matches_the_restored_policy(tmp_path):
                  resume_state=state)
     assert tr.fused
     obs = torch.randn(16, 4)
-    assert_acts_like(tr.optimizer.kernel, first.policy, obs, 1e-5)
+    assert_acts_like(tr.acting, first.policy, obs, 1e-5)
     # A trainer that acted before the checkpoint's weights were loaded into it acts with the loaded weights.
     fresh = Trainer(PPOConfig.from_dict({**state["config"], "seed": 99}), run_dir=tmp_path / "fresh",
                     console_enabled=False)
     with torch.inference_mode():
-        fresh.optimizer.kernel.act(obs)
+        fresh.acting.act(obs, None, None)
     fresh._load_state(state)  # what resume() does
-    assert_acts_like(fresh.optimizer.kernel, first.policy, obs, 1e-5)
+    assert_acts_like(fresh.acting, first.policy, obs, 1e-5)
     for t in (tr, fresh):
         t.envs.close()
         t.logger.close()
@@ -404,43 +414,46 @@ def test_acting_after_checkpoint_resume_matches_the_restored_policy(tmp_path):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_acting_with_unequal_actor_critic_and_without_hidden_layers(activation, kind):
-    from ppokit.policies import mlp
+    from ppokit.policies.actor_critic import mlp
 
     # Actor and critic of different widths cannot share one matmul per depth: the per-net fallback runs.
     pol, _, _ = acting_pair(kind, activation, torch.float64)
     pol.critic = mlp(pol.obs_dim, [7, 9, 4], 1, activation, out_gain=1.0).to(torch.float64)
     ref = copy.deepcopy(pol)
-    opt = FlatAdam(pol)
-    assert_acts_like(opt.kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
-    assert not opt.kernel._merged
+    kernel = acting_kernel(pol, FlatAdam(pol))
+    assert_acts_like(kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
+    assert not kernel._merged
     # A critic without hidden layers next to a hidden actor.
     pol, _, _ = acting_pair(kind, activation, torch.float64)
     pol.critic = mlp(pol.obs_dim, [], 1, activation, out_gain=1.0).to(torch.float64)
     ref = copy.deepcopy(pol)
-    opt = FlatAdam(pol)
-    assert_acts_like(opt.kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
-    assert not opt.kernel._merged
+    kernel = acting_kernel(pol, FlatAdam(pol))
+    assert_acts_like(kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
+    assert not kernel._merged
     # No hidden layers: both heads read the observation.
     pol, opt, ref = acting_pair(kind, activation, torch.float64, hidden=())
-    assert_acts_like(opt.kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
+    kernel = acting_kernel(pol, opt)
+    assert_acts_like(kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
     # One hidden layer (the merged path with no deeper layer).
     pol, opt, ref = acting_pair(kind, activation, torch.float64, hidden=(6,))
-    assert_acts_like(opt.kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
-    assert opt.kernel._merged
+    kernel = acting_kernel(pol, opt)
+    assert_acts_like(kernel, ref, torch.randn(20, pol.obs_dim, dtype=torch.float64), 1e-12)
+    assert kernel._merged
 
 
 def test_acting_outputs_are_fresh_and_work_outside_inference_mode():
     pol, opt, ref = acting_pair("discrete", "tanh")
+    kernel = acting_kernel(pol, opt)
     obs = torch.randn(8, pol.obs_dim)
     with torch.inference_mode():
-        a1, lp1, v1 = opt.kernel.act(obs)  # buffers are created inside inference mode here ...
+        a1, lp1, v1, _ = kernel.act(obs, None, None)  # buffers are created inside inference mode here ...
     kept = (a1.clone(), lp1.clone(), v1.clone())
-    a2, lp2, v2 = opt.kernel.act(torch.randn(8, pol.obs_dim))  # ... and reused with grad mode on
+    a2, lp2, v2, _ = kernel.act(torch.randn(8, pol.obs_dim), None, None)  # ... and reused with grad mode on
     assert not (lp2.requires_grad or v2.requires_grad)
     # Results of one call are not overwritten by the next (the trainer keeps them in its buffer).
     for x, y in zip((a1, lp1, v1), kept):
         assert torch.equal(x, y)
-    torch.testing.assert_close(opt.kernel.actor_head(obs), ref.actor(obs).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel.actor_head(obs), ref.actor(obs).detach(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -8,12 +8,11 @@ import json
 import re
 
 import pytest
-
-import ppokit.plots
-from ppokit.cli import main
-from ppokit.config import PPOConfig
-
 import tomllib  # noqa: E402  (Python >= 3.11)
+
+import ppokit.diagnostics.plots
+from ppokit.cli import main
+from ppokit.config.ppo_config import PPOConfig
 
 # (flags, field, words the message must contain)
 RULES = [
@@ -61,14 +60,16 @@ def test_unsafe_plan_is_allowed_and_says_so(capsys):
 
 @pytest.mark.slow
 def test_unsafe_run_is_stamped_everywhere(tmp_path, monkeypatch, capsys):
-    titles = []
-    original = ppokit.plots.plot_curves
+    from matplotlib.figure import Figure
 
-    def spy(*args, **kwargs):
-        titles.append(kwargs.get("title"))
-        return original(*args, **kwargs)
+    titles = []  # the title of every figure matplotlib saves (curves.png's among them)
+    savefig = Figure.savefig
 
-    monkeypatch.setattr(ppokit.plots, "plot_curves", spy)
+    def keep(fig, *args, **kwargs):
+        titles.append(fig._suptitle.get_text() if fig._suptitle is not None else None)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
     run_dir = tmp_path / "unsafe"
     rc = main(["train", "--preset", "gridworld", "--update-epochs", "40", "--clip-coef", "0.5", "--unsafe",
                "--total-timesteps", "1024", "--run-dir", str(run_dir), "--no-tensorboard"])
@@ -80,15 +81,15 @@ def test_unsafe_run_is_stamped_everywhere(tmp_path, monkeypatch, capsys):
     assert "update_epochs" in stamp and "clip_coef" in stamp
     alerts = [json.loads(line) for line in (run_dir / "alerts.jsonl").read_text().splitlines()]
     assert any(a["name"] == "unsafe_run" for a in alerts)
-    # The trainer leaves the title to plot_curves, which names the run from its files, unsafe stamp first.
-    assert titles == [None]
-    assert ppokit.plots.run_title(run_dir) == "UNSAFE run: ppokit/GridWorld-v0 · ppo · seed 1 · unsafe"
+    # curves.png is titled from the run's files, unsafe stamp first.
+    assert titles == ["UNSAFE run: ppokit/GridWorld-v0 · ppo · seed 1 · unsafe"]
+    assert ppokit.diagnostics.plots.run_title(run_dir) == titles[0]
     assert (run_dir / "curves.png").stat().st_size > 5000
 
-    from ppokit.doctor import diagnose
+    from ppokit.analysis.doctor import diagnose
 
     assert any(f.cause == "unsafe_run" for f in diagnose(run_dir).findings)
-    from ppokit.report import build_report
+    from ppokit.analysis.report import build_report
 
     html = build_report(run_dir)
     assert 'class="unsafe-banner"' in html and "UNSAFE" in html
@@ -101,6 +102,6 @@ def test_safe_run_is_not_stamped(tmp_path):
                  "--no-tensorboard"]) == 0
     assert not (run_dir / "UNSAFE").exists()
     assert tomllib.loads((run_dir / "config.toml").read_text())["unsafe"] is False
-    from ppokit.report import build_report
+    from ppokit.analysis.report import build_report
 
     assert 'class="unsafe-banner"' not in build_report(run_dir)

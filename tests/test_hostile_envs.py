@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from ppokit.checkpoint import load_checkpoint
 from ppokit.cli import main
+from ppokit.diagnostics.plots import read_metrics
 from ppokit.envs.errors import EnvError
-from ppokit.plots import read_metrics
+from ppokit.runtime.checkpoint import load_checkpoint
 
 PREFIX = "ppokit_test/Hostile"
 
@@ -278,8 +278,8 @@ def test_all_nan_rollout_is_an_error_not_an_empty_update(tmp_path, capsys):
 
 
 def test_python_api_raises_env_error(tmp_path):
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import train as train_api
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import train as train_api
 
     config = PPOConfig(env_id=f"{PREFIX}-str_obs-v0", num_envs=2, num_steps=16, total_timesteps=64,
                        run_dir=str(tmp_path / "run"))
@@ -418,7 +418,7 @@ def test_env_timeout_is_validated(tmp_path, capsys, value):
 
 @pytest.mark.parametrize("value, expected", [("none", None), ("0", 0.0), ("30", 30.0)])
 def test_env_timeout_none_or_zero_disables_it(value, expected):
-    from ppokit.config import PPOConfig
+    from ppokit.config.ppo_config import PPOConfig
 
     assert PPOConfig.from_dict({"env_timeout": value}).validate().env_timeout == expected
     assert PPOConfig().env_timeout == 120.0

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.hostnorm import HostNormalizers
-from ppokit.normalize import ObsNormalizer, RewardScaler
+from ppokit.rollout.hostnorm import HostNormalizers
+from ppokit.rollout.normalize import ObsNormalizer, RewardScaler
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,8 +58,8 @@ def test_host_path_is_refused_where_it_would_not_be_exact():
 
 
 def _run(tmp_path, name, lean: bool, monkeypatch, **kw):
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import Trainer
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import Trainer
 
     monkeypatch.setattr(HostNormalizers, "applies", staticmethod(lambda *a: lean))
     cfg = PPOConfig(env_id="Pendulum-v1", num_envs=1, num_steps=64, num_minibatches=4, update_epochs=2,

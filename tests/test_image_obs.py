@@ -13,12 +13,12 @@ from gymnasium import spaces
 
 import ppokit
 from ppokit.cli import main
-from ppokit.config import load_preset
-from ppokit.encoders import BoxEncoder, ImageEncoder, image_layout, observation_encoder
+from ppokit.config.ppo_config import load_preset
+from ppokit.envs.encoders import BoxEncoder, ImageEncoder, image_layout, observation_encoder
 from ppokit.envs.errors import EnvError, check_obs_batch
-from ppokit.networks import EncoderActorCritic, NatureCNN
 from ppokit.policies import build_policy
-from ppokit.trainer import Trainer
+from ppokit.policies.encoder_networks import EncoderActorCritic, NatureCNN
+from ppokit.training.trainer import Trainer
 
 
 class _Brightness(gym.Env):

@@ -17,18 +17,19 @@ pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from ppokit.core.objectives import approx_kl_k3  # noqa: E402
 from ppokit.lm import LMConfig  # noqa: E402
 from ppokit.lm.config import ConfigError  # noqa: E402
-from ppokit.lm.dpo import dpo_loss  # noqa: E402
 from ppokit.lm.generation import SamplingSettings  # noqa: E402
 from ppokit.lm.grpo import group_advantages  # noqa: E402
 from ppokit.lm.logprobs import kl_per_token, position_ids, response_mask  # noqa: E402
+from ppokit.lm.losses import LossSettings  # noqa: E402
+from ppokit.lm.losses import policy_loss_dpo as dpo_loss  # noqa: E402
 from ppokit.lm.ppo import adaptive_kl_coef, rlhf_rewards, token_advantages  # noqa: E402
 from ppokit.lm.prompts import PromptSource, load_prompts  # noqa: E402
 from ppokit.lm.rewards import make_reward  # noqa: E402
 from ppokit.lm.rollout import place_scores, sample  # noqa: E402
 from ppokit.lm.tiny import build_tiny  # noqa: E402
-from ppokit.objectives import approx_kl_k3  # noqa: E402
 
 EOS = 1  # tiny.build_char_tokenizer: ids 0, 1, 2 are pad, eos, unk
 
@@ -130,13 +131,17 @@ def test_dpo_loss_against_a_hand_computed_value():
     lc, lr_, rc, rr = -3.0, -5.0, -4.0, -4.5
     z = beta * ((lc - rc) - (lr_ - rr))  # 0.1 * (1 - (-0.5)) = 0.15
     expected = -math.log(1.0 / (1.0 + math.exp(-z)))
-    loss, chosen, rejected = dpo_loss(torch.tensor([lc]), torch.tensor([lr_]), torch.tensor([rc]),
-                                      torch.tensor([rr]), beta)
+    # One response token per row: the sequence log-prob is that token's.
+    one = torch.ones(2, 1, dtype=torch.bool)
+    loss, stats = dpo_loss(torch.tensor([[lc], [lr_]]), None, torch.tensor([[rc], [rr]]), None, one,
+                           LossSettings(beta=beta))
     assert float(loss) == pytest.approx(expected, rel=1e-6)
-    assert float(chosen) == pytest.approx(0.1) and float(rejected) == pytest.approx(-0.05)
+    assert float(stats["chosen_rewards"]) == pytest.approx(0.1)
+    assert float(stats["rejected_rewards"]) == pytest.approx(-0.05)
     # At pi == pi_ref the loss is log 2 whatever the pair.
-    zero = torch.zeros(3)
-    assert float(dpo_loss(zero, zero - 1, zero, zero - 1, 0.5)[0]) == pytest.approx(math.log(2))
+    zero = torch.zeros(6, 1)
+    assert float(dpo_loss(zero, None, zero, None, torch.ones(6, 1, dtype=torch.bool), LossSettings(beta=0.5))[0]) \
+        == pytest.approx(math.log(2))
 
 
 # ---------------------------------------------------------------- rewards
@@ -313,8 +318,8 @@ def test_import_ppokit_lm_and_lmconfig_load_no_transformers(tmp_path):
 
 # ---------------------------------------------------------------- live LM alerts
 def test_live_lm_alerts_fire_on_runaway_kl_and_on_sustained_zero_std_groups():
-    from ppokit import schema as S
-    from ppokit.doctor_lm import KL_REF_RUNAWAY, ZERO_STD_FRAC
+    from ppokit.analysis.doctor_lm import KL_REF_RUNAWAY, ZERO_STD_FRAC
+    from ppokit.core import schema as S
     from ppokit.lm.alerts import LMAlerts
 
     alerts = LMAlerts("beta", cooldown=10)

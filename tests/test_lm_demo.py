@@ -143,7 +143,7 @@ def test_demo_dpo_raises_preference_accuracy(demo_run):
 
 @pytest.mark.slow
 def test_doctor_finds_the_demo_runs_healthy(demo_run):
-    from ppokit.doctor import diagnose
+    from ppokit.analysis.doctor import diagnose
 
     out, _ = demo_run
     for stage in ("ppo", "grpo", "dpo"):

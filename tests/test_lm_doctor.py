@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from ppokit import schema as S
+from ppokit.analysis.doctor import diagnose
 from ppokit.cli import main
-from ppokit.doctor import diagnose
+from ppokit.core import schema as S
 
 N = 40
 
@@ -190,8 +190,8 @@ def test_a_real_dpo_run_whose_accuracy_jumps_at_once(tmp_path, capsys, iteration
 
 
 def test_gymnasium_runs_keep_their_doctor(tmp_path):
-    from ppokit.doctor import load_run
-    from ppokit.doctor_lm import is_lm_run
+    from ppokit.analysis.doctor import load_run
+    from ppokit.analysis.doctor_lm import is_lm_run
 
     d = tmp_path / "gym"
     d.mkdir()
@@ -200,7 +200,7 @@ def test_gymnasium_runs_keep_their_doctor(tmp_path):
 
 
 def test_report_on_an_lm_run(tmp_path):
-    from ppokit.report import build_report
+    from ppokit.analysis.report import build_report
 
     run = _run(tmp_path, **_healthy(kl_ref=[0.5 * i for i in range(N)]))
     page = build_report(run)

@@ -19,10 +19,10 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 
-from ppokit.checkpoint import load_checkpoint  # noqa: E402
 from ppokit.lm import GRPOTrainer, LMConfig  # noqa: E402
 from ppokit.lm.rewards import RewardError  # noqa: E402
 from ppokit.lm.tiny import build_tiny, save_tiny  # noqa: E402
+from ppokit.runtime.checkpoint import load_checkpoint  # noqa: E402
 
 BUDGET = ["--batch-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-minibatches", "1",
           "--update-epochs", "1", "--learning-rate", "3e-3", "--no-console", "--no-tensorboard"]

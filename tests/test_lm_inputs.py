@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 
 from ppokit.cli import main  # noqa: E402
-from ppokit.config import ConfigError  # noqa: E402
+from ppokit.config.ppo_config import ConfigError  # noqa: E402
 from ppokit.lm import DPOTrainer, GRPOTrainer, LMConfig, PPOTrainer  # noqa: E402
 from ppokit.lm.checks import PromptError, check_tokenizer  # noqa: E402
 from ppokit.lm.rewards import RewardError, make_reward  # noqa: E402

@@ -23,7 +23,7 @@ def test_the_readme_lm_example_runs_as_written(tmp_path, monkeypatch):
     namespace["trainer"].close()
     from transformers import AutoModelForCausalLM
 
-    from ppokit import schema as S
+    from ppokit.core import schema as S
 
     assert len(namespace["history"]) == 3 and S.SCORE_MEAN in namespace["history"][-1]
     assert (tmp_path / "runs" / "lm" / "metrics.csv").is_file()

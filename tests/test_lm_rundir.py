@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 
 from ppokit.lm import GRPOTrainer, LMConfig  # noqa: E402
 from ppokit.lm.tiny import build_tiny  # noqa: E402
-from ppokit.rundir import RunDirError  # noqa: E402
+from ppokit.runtime.rundir import RunDirError  # noqa: E402
 
 PROMPTS = ["X:", "AB:"]
 CFG = dict(learning_rate=3e-3, batch_prompts=2, group_size=2, max_new_tokens=4, update_epochs=1, num_minibatches=1,
@@ -68,7 +68,7 @@ def test_a_resume_into_the_run_dir_logs_each_iteration_once(base, tmp_path):
 
 
 def test_the_console_line_of_an_lm_run_shows_its_score_and_speed(base, tmp_path, capsys):
-    from ppokit import schema as S
+    from ppokit.core import schema as S
 
     t = GRPOTrainer(copy.deepcopy(base[0]), base[1], reward=reward, prompts=PROMPTS,
                     config=LMConfig(**{**CFG, "console": True, "log_every": 1}), run_dir=tmp_path / "run")

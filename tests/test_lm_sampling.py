@@ -20,10 +20,10 @@ pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 
 import torch  # noqa: E402
 
-from ppokit.config import ConfigError  # noqa: E402
+from ppokit.config.ppo_config import ConfigError  # noqa: E402
 from ppokit.lm import GRPOTrainer, LMConfig  # noqa: E402
-from ppokit.lm.generation import HFGenerator, SamplingSettings  # noqa: E402
 from ppokit.lm.fast_gpt2 import gpt2_decoder  # noqa: E402
+from ppokit.lm.generation import HFGenerator, SamplingSettings  # noqa: E402
 from ppokit.lm.logprobs import position_ids, response_mask, token_logprobs  # noqa: E402
 from ppokit.lm.rollout import encode_prompts  # noqa: E402
 from ppokit.lm.sampling import CachedSampler  # noqa: E402

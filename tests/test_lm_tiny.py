@@ -9,7 +9,14 @@ transformers = pytest.importorskip("transformers", reason="needs pip install -e 
 import torch  # noqa: E402
 
 from ppokit.lm.tiny import (  # noqa: E402
-    SIZES, build_char_tokenizer, build_tiny, build_tiny_model, count_parameters, load_tiny, save_tiny)
+    SIZES,
+    build_char_tokenizer,
+    build_tiny,
+    build_tiny_model,
+    count_parameters,
+    load_tiny,
+    save_tiny,
+)
 
 
 def test_one_token_per_character_and_decode_round_trips():

@@ -18,7 +18,7 @@ pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 
 import torch  # noqa: E402
 
-from ppokit import schema as S  # noqa: E402
+from ppokit.core import schema as S  # noqa: E402
 from ppokit.lm import DPOTrainer, GRPOTrainer, LMConfig, PPOTrainer  # noqa: E402
 from ppokit.lm.generation import HFGenerator, SamplingSettings  # noqa: E402
 from ppokit.lm.logprobs import position_ids, response_mask, token_logprobs  # noqa: E402
@@ -66,7 +66,6 @@ def _same(a: list[dict], b: list[dict]) -> bool:
 # ---------------------------------------------------------------- log-probs and positions
 def test_generation_logprobs_equal_recomputed_ones_with_left_padding_alone_and_in_a_batch(model, tok):
     torch.manual_seed(0)
-    settings = SamplingSettings(6, 0.7, tok.eos_token_id, tok.pad_token_id)
     prompts = ["X:", "ABXBA:", "B:"]
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, tok.pad_token_id, torch.device("cpu"))
     assert (prompt_mask == 0).any()  # the batch really is left-padded
@@ -213,7 +212,7 @@ def test_save_then_resume_continues_with_identical_metrics(cls, base, tmp_path):
 
         critic = default_value_model(copy.deepcopy(base[0]))
         load_model(critic, str(tmp_path / "ckpt" / "value_model.safetensors"))
-        from ppokit.checkpoint import load_checkpoint
+        from ppokit.runtime.checkpoint import load_checkpoint
 
         saved = load_checkpoint(tmp_path / "ckpt" / "trainer_state.pt")["value_model"]
         assert all(torch.equal(v, saved[k]) for k, v in critic.state_dict().items())

@@ -7,7 +7,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from ppokit.logger import ConsoleSink, CSVSink, MetricsLogger, TensorBoardSink
+from ppokit.runtime.logger import ConsoleSink, CSVSink, MetricsLogger, TensorBoardSink
 
 torch.set_num_threads(1)
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 
 import ppokit
-from ppokit.checkpoint import load_checkpoint
 from ppokit.cli import main
-from ppokit.collector import action_masks_available, read_action_masks
-from ppokit.config import PPOConfig, load_preset
+from ppokit.config.ppo_config import PPOConfig, load_preset
+from ppokit.core.objectives import categorical_entropy
 from ppokit.envs import GRIDWORLD_WALLS_ID, GridWorldWallsEnv
-from ppokit.epochs import ppo_epochs
-from ppokit.objectives import categorical_entropy
 from ppokit.policies import ActorCritic, mask_logits
-from ppokit.trainer import Trainer
-from ppokit.update import AutogradStep
+from ppokit.rollout.collector import action_masks_available, read_action_masks
+from ppokit.runtime.checkpoint import load_checkpoint
+from ppokit.training.trainer import Trainer
+from ppokit.update.autograd import AutogradStep
+from ppokit.update.epochs import ppo_epochs
 
 
 def _policy(kind: str = "discrete", dims: tuple[int, ...] = (5,), seed: int = 0) -> ActorCritic:
@@ -55,9 +55,9 @@ def test_masked_actions_are_never_sampled_over_10k_draws():
     obs = torch.randn(10_000, 6)
     mask = _random_mask(10_000, 5)
     with torch.inference_mode():
-        actions, logp, _ = policy.act(obs, action_mask=mask)
-        greedy, _, _ = policy.act(obs, deterministic=True, action_mask=mask)
-        unmasked, _, _ = policy.act(obs)
+        actions, logp, _, _ = policy.act(obs, None, None, action_mask=mask)
+        greedy, _, _, _ = policy.act(obs, None, None, action_mask=mask, deterministic=True)
+        unmasked, _, _, _ = policy.act(obs, None, None)
     assert mask[torch.arange(10_000), actions].all()
     assert mask[torch.arange(10_000), greedy].all()
     assert torch.isfinite(logp).all()
@@ -101,7 +101,7 @@ def test_multidiscrete_masks_each_sub_action():
     obs = torch.randn(2000, 6)
     mask = torch.cat([_random_mask(2000, 3, 2), _random_mask(2000, 4, 3)], -1)
     with torch.inference_mode():
-        actions, _, _ = policy.act(obs, action_mask=mask)
+        actions, _, _, _ = policy.act(obs, None, None, action_mask=mask)
     rows = torch.arange(2000)
     assert mask[rows, actions[:, 0]].all() and mask[rows, 3 + actions[:, 1]].all()
 

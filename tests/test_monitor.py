@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ppokit.monitor import CLIPFRAC_NEVER_FIRES, KL_NEGLIGIBLE, THRESHOLDS, Monitor
+from ppokit.diagnostics.monitor import CLIPFRAC_NEVER_FIRES, KL_NEGLIGIBLE, THRESHOLDS, Monitor
 
 
 def healthy(i: int = 0, **over) -> dict:
@@ -202,8 +202,8 @@ def test_unknown_threshold_is_rejected():
 
 def test_clip_never_fires_stays_quiet_on_the_gridworld_preset_run(tmp_path):
     # Solved within a few updates; later rollouts are all optimal and the policy stops moving (KL ~1e-8).
-    from ppokit.config import load_preset
-    from ppokit.trainer import train
+    from ppokit.config.ppo_config import load_preset
+    from ppokit.training.trainer import train
 
     cfg = load_preset("gridworld")
     cfg.tensorboard, cfg.run_dir = False, str(tmp_path / "grid")
@@ -215,8 +215,8 @@ def test_clip_never_fires_stays_quiet_on_the_gridworld_preset_run(tmp_path):
 @pytest.mark.parametrize("learning_rate,expected", [(2.5e-4, []), (0.0, [("clip_never_fires", "alert")])])
 def test_clip_never_fires_on_real_cartpole_runs_only_when_the_policy_cannot_move(tmp_path, learning_rate, expected):
     # The library defaults on CartPole: clip fraction 0 on every update (the old rule fired at update 5), KL ~1e-4.
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import train
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import train
 
     cfg = PPOConfig(env_id="CartPole-v1", total_timesteps=8 * 512, learning_rate=learning_rate, tensorboard=False,
                     run_dir=str(tmp_path / "run"))
@@ -265,9 +265,9 @@ def test_monitor_clipfrac_false_turns_the_clip_fraction_alerts_off():
 def test_monitoring_switched_off_in_the_config_reaches_a_real_run(tmp_path):
     # lr 0 on CartPole: clip_never_fires (alert) with monitoring on (the test above with lr 0). Off (only with
     # --unsafe), the run raises no clip-fraction alert; the guard rail still refuses it without --unsafe.
-    from ppokit.config import ConfigError, PPOConfig
-    from ppokit.doctor import diagnose
-    from ppokit.trainer import train
+    from ppokit.analysis.doctor import diagnose
+    from ppokit.config.ppo_config import ConfigError, PPOConfig
+    from ppokit.training.trainer import train
 
     with pytest.raises(ConfigError, match="monitor_clipfrac"):
         PPOConfig(env_id="CartPole-v1", monitor_clipfrac=False).validate()

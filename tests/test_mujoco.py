@@ -10,11 +10,11 @@ import torch
 pytest.importorskip("mujoco", reason="needs pip install -e '.[mujoco]'")
 
 import ppokit  # noqa: E402
-from ppokit import checkpoint as ckpt  # noqa: E402
-from ppokit import schema as S  # noqa: E402
-from ppokit.config import load_preset  # noqa: E402
-from ppokit.planner import known_settings  # noqa: E402
-from ppokit.trainer import CHECKPOINT_NAME, Trainer  # noqa: E402
+from ppokit.config.planner import known_settings  # noqa: E402
+from ppokit.config.ppo_config import load_preset  # noqa: E402
+from ppokit.core import schema as S  # noqa: E402
+from ppokit.runtime import checkpoint as ckpt  # noqa: E402
+from ppokit.training.trainer import CHECKPOINT_NAME, Trainer  # noqa: E402
 
 ENV = "InvertedPendulum-v5"
 
@@ -116,7 +116,7 @@ def test_short_inverted_pendulum_run_improves_its_return(tmp_path):
 
 
 # ----------------------------------------------------------------- the CLI on a headless machine, as a user runs it
-def _cli(args: list[str], cwd) -> "subprocess.CompletedProcess[str]":
+def _cli(args: list[str], cwd):
     """``python -m ppokit ARGS`` with no display and none of the rendering variables set (a fresh headless shell)."""
     import os
     import subprocess
@@ -129,7 +129,7 @@ def _cli(args: list[str], cwd) -> "subprocess.CompletedProcess[str]":
 
 
 def _gl_backend_here() -> str | None:
-    from ppokit.video import HEADLESS_GL, _gl_works
+    from ppokit.envs.video import HEADLESS_GL, _gl_works
 
     return next((b for b in HEADLESS_GL if _gl_works(b)), None)
 

@@ -8,7 +8,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from ppokit.normalize import ObsNormalizer, RewardScaler, RunningMeanStd  # noqa: E402
+from ppokit.rollout.normalize import ObsNormalizer, RewardScaler, RunningMeanStd  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [(), (3,), (2, 2)])

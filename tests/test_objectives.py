@@ -1,4 +1,4 @@
-"""Reference tests for ``ppokit.objectives``: every expected number is computed by hand (in the comments) or by a
+"""Reference tests for ``ppokit.core.objectives``: every expected number is computed by hand (in the comments) or by a
 brute-force loop / an independent library path (``torch.distributions``) written here, never by the function
 under test."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ppokit.objectives import (
+from ppokit.core.objectives import (
     approx_kl_k1,
     approx_kl_k3,
     categorical_entropy,
@@ -31,11 +31,12 @@ F64 = torch.float64
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Scalar objective: the lesson's exercise (lesson 5), verbatim, then hand-computed cases at other eps.
+# Scalar objective: L^CLIP (Schulman et al. 2017, eq. 7) on the three worked cases, then hand-computed cases at
+# other eps.
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_lesson_five_asserts_verbatim():
+def test_clipped_objective_on_scalars():
     assert abs(ppo_objective(math.log(1.4), 0.0, 2.0, .2) - 2.4) < 1e-9
     assert abs(ppo_objective(math.log(.6), 0.0, -2.0, .2) - (-1.6)) < 1e-9
 
@@ -56,7 +57,7 @@ def test_lesson_five_asserts_verbatim():
         (1.4, -2.0, -2.8),
     ],
 )
-def test_lesson_worked_cases_eps_0_2(ratio, advantage, expected):
+def test_worked_cases_eps_0_2(ratio, advantage, expected):
     assert ppo_objective(math.log(ratio), 0.0, advantage, 0.2) == pytest.approx(expected, abs=1e-12)
 
 

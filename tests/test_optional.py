@@ -100,6 +100,7 @@ def test_mode(vector_mode):
 
 def test_ci_installs_every_extra_sets_the_variable_and_runs_the_readme_command():
     import re
+
     import tomllib
 
     root = CONFTEST.parents[1]

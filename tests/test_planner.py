@@ -13,8 +13,8 @@ import pytest
 from gymnasium import spaces
 
 from ppokit.cli import main
-from ppokit.config import PPOConfig, load_preset
-from ppokit.planner import MIN_UPDATES, make_plan, probe_env
+from ppokit.config.planner import MIN_UPDATES, make_plan, probe_env
+from ppokit.config.ppo_config import PPOConfig, load_preset
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import ppokit.cli
-from ppokit.plots import _alert_marks, objective_figure, plot_curves, read_metrics
+from ppokit.diagnostics.plots import _alert_marks, objective_figure, plot_curves, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -24,7 +24,7 @@ def _assert_png(path) -> None:
 
 
 def test_plots_module_imports_cheaply():
-    code = "import sys, ppokit.plots; sys.exit(int(any(m in sys.modules for m in ('matplotlib', 'torch'))))"
+    code = "import sys, ppokit.diagnostics.plots; sys.exit(int(any(m in sys.modules for m in ('matplotlib', 'torch'))))"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
@@ -46,7 +46,7 @@ def test_objective_command_in_process(tmp_path, capsys, monkeypatch):
     assert ppokit.cli.main(["objective", "--out", str(out)]) == 0
     _assert_png(out)
     printed = capsys.readouterr().out
-    for value in ("2.4", "-1.6", "-2.8"):  # the lesson's worked cases at eps = 0.2
+    for value in ("2.4", "-1.6", "-2.8"):  # the worked cases at eps = 0.2
         assert value in printed
     for column in ("ratio", "advantage", "r*A", "clip(r)*A", "objective", "gradient"):
         assert column in printed

@@ -23,14 +23,21 @@ import torch
 from gymnasium import spaces
 
 import ppokit
-from ppokit import checkpoint as ckpt
 from ppokit.cli import main
-from ppokit.config import ConfigError, load_preset
-from ppokit.networks import EncoderActorCritic
-from ppokit.normalize import ObsNormalizer, PartsObsNormalizer
-from ppokit.policies import (ActorCritic, Policy, PolicySpecError, build_policy, policy_from_spec, policy_types,
-                             register_policy)
-from ppokit.trainer import Trainer
+from ppokit.config.ppo_config import ConfigError, load_preset
+from ppokit.policies import (
+    ActorCritic,
+    Policy,
+    PolicySpecError,
+    build_policy,
+    policy_from_spec,
+    policy_types,
+    register_policy,
+)
+from ppokit.policies.encoder_networks import EncoderActorCritic
+from ppokit.rollout.normalize import ObsNormalizer, PartsObsNormalizer
+from ppokit.runtime import checkpoint as ckpt
+from ppokit.training.trainer import Trainer
 
 RELEASE = Path(__file__).resolve().parent / "data" / "release_58adec1"
 
@@ -188,7 +195,7 @@ def test_register_policy_names_a_class_once():
         rebuilt = policy_from_spec(policy.spec())
         assert type(rebuilt) is Wide and rebuilt.spec() == policy.spec()
     finally:
-        from ppokit import policies
+        from ppokit.policies import registry as policies
 
         policies._POLICY_TYPES.pop("test_wide", None)
 

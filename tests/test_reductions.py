@@ -1,4 +1,4 @@
-"""Reference tests for ``ppokit.reductions.reduce``: hand-computed values for every mode on a ragged ``[B, T]``
+"""Reference tests for ``ppokit.core.reductions.reduce``: hand-computed values for every mode on a ragged ``[B, T]``
 batch, a brute-force Python loop over random ragged masks, exact gradients, and the empty-mask rule."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ppokit.reductions import REDUCTION_MODES, reduce
+from ppokit.core.reductions import REDUCTION_MODES, reduce
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")

@@ -10,10 +10,10 @@ import subprocess
 
 import pytest
 
+from ppokit.analysis.report import CURVES, build_report
 from ppokit.cli import main
-from ppokit.config import load_preset
-from ppokit.report import CURVES, build_report
-from ppokit.trainer import train
+from ppokit.config.ppo_config import load_preset
+from ppokit.training.trainer import train
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ppokit.cli import main
-from ppokit import plots
+from ppokit.diagnostics import plots
 
 BAD_TEXT = r"$\undefinedmacro{x$"
 
@@ -57,15 +57,17 @@ def test_report_of_unreadable_metrics_is_one_line(tmp_path, capsys):
 
 @pytest.fixture
 def captured(monkeypatch):
-    """The Figure plot_curves draws, saved for real (so text must render) and kept for inspection."""
+    """Every Figure matplotlib saves, saved for real (so text must render) and kept for inspection."""
+    from matplotlib.figure import Figure
+
     figures = []
-    save = plots._save
+    savefig = Figure.savefig
 
-    def keep(fig, path):
+    def keep(fig, *args, **kwargs):
         figures.append(fig)
-        return save(fig, path)
+        return savefig(fig, *args, **kwargs)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(Figure, "savefig", keep)
     return figures
 
 

@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppokit import rundir
-from ppokit.checkpoint import load_checkpoint
 from ppokit.cli import main
-from ppokit.config import PPOConfig, load_preset
-from ppokit.rundir import LOCK_NAME, RunDirError
-from ppokit.trainer import Trainer, _install_sigint, resume, train
+from ppokit.config.ppo_config import PPOConfig, load_preset
+from ppokit.runtime import rundir
+from ppokit.runtime.checkpoint import load_checkpoint
+from ppokit.runtime.rundir import LOCK_NAME, RunDirError
+from ppokit.training.trainer import Trainer, _install_sigint, resume, train
 
 torch.set_num_threads(1)
 
@@ -330,8 +330,8 @@ def test_hyperparameters_are_written_to_tensorboard_once(tmp_path):
 
 
 def test_default_run_dir_names_have_no_colon_or_slash():
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import default_run_dir
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import default_run_dir
 
     for env_id in ("mymod:MyEnv-v0", "custom:MyEnv", "ALE/Pong-v5"):
         name = default_run_dir(PPOConfig(env_id=env_id)).name

@@ -1,5 +1,5 @@
 """The metric schema is the single source of metric names and thresholds: the trainer logs exactly its names, the
-thresholds are the lessons' numbers, and no other module types a metric name the schema does not define."""
+thresholds are the standard PPO debugging bands, and no other module types a metric name the schema does not define."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from ppokit import schema as S
-from ppokit.schema import METRICS, THRESHOLDS
+from ppokit.core import schema as S
+from ppokit.core.schema import METRICS, THRESHOLDS
 
-SRC = Path(S.__file__).resolve().parent
+SRC = Path(S.__file__).resolve().parents[1]  # the ppokit package
 PREFIXES = ("charts/", "losses/", "diag/", "perf/")
 # Modules whose metric names and thresholds all come from the schema (no literal at all).
-FROM_SCHEMA_ONLY = ("monitor.py", "doctor.py", "plots.py", "report.py", "experiments.py", "planner.py")
+FROM_SCHEMA_ONLY = ("diagnostics/monitor.py", "analysis/doctor.py", "diagnostics/plots.py", "analysis/report.py",
+                    "analysis/experiments.py", "config/planner.py")
 
 
 def _metric_literals(path: Path) -> list[tuple[int, str]]:
@@ -27,8 +28,8 @@ def _metric_literals(path: Path) -> list[tuple[int, str]]:
 
 
 def test_every_logged_metric_is_in_the_schema(tmp_path):
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import PERF_PHASES, train
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import PERF_PHASES, train
 
     cfg = PPOConfig(env_id="CartPole-v1", total_timesteps=2 * 512, tensorboard=False, eval_every=1,
                     eval_episodes=1, eval_threshold=1e9, run_dir=str(tmp_path / "run"))
@@ -42,8 +43,8 @@ def test_every_logged_metric_is_in_the_schema(tmp_path):
         assert m.meaning, m.name
 
 
-def test_thresholds_are_the_lessons_numbers():
-    # Lesson: approx KL should stay in [0, 0.02], past 0.1 lower K or LR; clip fraction 0.1-0.3 healthy, sustained
+def test_thresholds_are_the_standard_bands():
+    # approx KL should stay in [0, 0.02], past 0.1 lower K or LR; clip fraction 0.1-0.3 healthy, sustained
     # above 0.4 is drift; KL early stop at 1.5 x target_kl; explained variance climbs from 0 towards 1.
     assert (S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HIGH, S.KL_STOP_FACTOR, S.EV_MIN) == (0.02, 0.1, 0.4, 1.5, 0.0)
     assert S.CLIPFRAC_HEALTHY == (0.1, 0.3)
@@ -52,7 +53,10 @@ def test_thresholds_are_the_lessons_numbers():
 
 
 def test_modules_share_one_copy_of_each_threshold():
-    from ppokit import epochs, experiments, monitor, planner, plots
+    from ppokit.analysis import experiments
+    from ppokit.config import planner
+    from ppokit.diagnostics import monitor, plots
+    from ppokit.update import epochs
 
     assert monitor.THRESHOLDS is THRESHOLDS and planner.THRESHOLDS is THRESHOLDS
     assert (plots.KL_WARN, plots.KL_ALARM, plots.CLIPFRAC_BAND) == (S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HEALTHY)
@@ -63,32 +67,32 @@ def test_modules_share_one_copy_of_each_threshold():
 
 def test_a_changed_threshold_reaches_the_diagnostics_plan(monkeypatch):
     # The planner's table is read from THRESHOLDS, not typed: change the number, the text follows.
-    from ppokit.planner import diagnostics_plan
+    from ppokit.config.planner import diagnostics_plan
 
     monkeypatch.setitem(THRESHOLDS, "kl_alert", 0.123)
     kl_row = next(r for r in diagnostics_plan() if r["metric"] == S.APPROX_KL)
     assert "0.123" in kl_row["alert"] and "0.1," not in kl_row["alert"]
 
 
-@pytest.mark.parametrize("module", sorted(p.name for p in SRC.rglob("*.py")))
+@pytest.mark.parametrize("module", sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")))
 def test_no_module_invents_a_metric_name(module):
-    path = next(SRC.rglob(module))
-    if path.name == "schema.py":
+    path = SRC / module
+    if module == "core/schema.py":
         return
     found = _metric_literals(path)
-    if path.name in FROM_SCHEMA_ONLY:
-        assert found == [], f"{module} types metric names; import them from ppokit.schema: {found}"
-    elif path.name != "logger.py":  # the console also accepts other trainers' spellings (aliases)
+    if module in FROM_SCHEMA_ONLY:
+        assert found == [], f"{module} types metric names; import them from ppokit.core.schema: {found}"
+    elif module != "runtime/logger.py":  # the console also accepts other trainers' spellings (aliases)
         unknown = [(line, name) for line, name in found if name not in METRICS]
         assert unknown == [], f"{module} logs or reads names the schema does not define: {unknown}"
 
 
 def test_from_schema_only_modules_type_no_threshold():
-    # The lessons' numbers (0.02, 0.1, 0.4, 1.5) are the schema's; a literal of them elsewhere is a second copy.
-    lessons = {S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HIGH, S.KL_STOP_FACTOR}
-    for name in ("monitor.py", "doctor.py", "report.py"):
+    # The thresholds (0.02, 0.1, 0.4, 1.5) are the schema's; a literal of them elsewhere is a second copy.
+    thresholds = {S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HIGH, S.KL_STOP_FACTOR}
+    for name in ("diagnostics/monitor.py", "analysis/doctor.py", "analysis/report.py"):
         tree = ast.parse((SRC / name).read_text())
         nums = [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
                 and isinstance(n.value, float) and not isinstance(n.value, bool)
-                and any(math.isclose(n.value, x) for x in lessons)]
+                and any(math.isclose(n.value, x) for x in thresholds)]
         assert nums == [], f"{name}: {nums}"

@@ -1,4 +1,4 @@
-"""``ppokit.shm_reduce``: the shared-memory sum the per-minibatch gradient sync uses when every rank is on one host.
+"""``ppokit.runtime.shm_reduce``: the shared-memory sum the per-minibatch gradient sync uses when every rank is on one host.
 
 Real processes (multiprocessing, spawn) share one buffer (here a file each opens, so spawned processes can
 reach it; in a run the anonymous memory file ``join`` hands over); each checks the sum against the rows computed
@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from ppokit import shm_reduce
-from ppokit.shm_reduce import ShmReducer
+from ppokit.runtime import shm_reduce
+from ppokit.runtime.shm_reduce import ShmReducer
 
 pytestmark = pytest.mark.skipif(not shm_reduce.supported(), reason="the flag protocol is used on x86-64 only")
 
@@ -115,7 +115,7 @@ def test_two_ranks_compute_the_same_bits_with_and_without_shared_memory(tmp_path
     import subprocess
     import sys
 
-    from ppokit import distributed
+    from ppokit.runtime import distributed
 
     before = set(glob.glob("/dev/shm/ppokit-sync-*"))
     digests = []
@@ -151,7 +151,7 @@ print(len(fds))
 
 RANK = '''
 import mmap, os, sys
-from ppokit.shm_reduce import receive_fd
+from ppokit.runtime.shm_reduce import receive_fd
 fd = receive_fd(bytes.fromhex(sys.argv[1]), int(sys.argv[2]), 60.0)
 print(mmap.mmap(fd, 16)[:8].decode())
 '''
@@ -213,7 +213,7 @@ JOIN_SCRIPT = '''
 import os, sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from ppokit import shm_reduce
+from ppokit.runtime import shm_reduce
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 rank = dist.get_rank()
 pids = [None, None]

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit import one_env
-from ppokit.collector import Collector
 from ppokit.envs.factory import one_env_steppable, step_one_env
+from ppokit.rollout import one_env
+from ppokit.rollout.collector import Collector
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 _spec = importlib.util.spec_from_file_location("ppokit_make_golden_1env", GOLDEN / "make_golden.py")
@@ -31,8 +31,8 @@ _spec.loader.exec_module(make_golden)
 
 
 def _run(tmp_path: Path, name: str, lean: bool, env=None, **overrides) -> tuple[str, str, bool]:
-    from ppokit.config import PPOConfig
-    from ppokit.trainer import Trainer
+    from ppokit.config.ppo_config import PPOConfig
+    from ppokit.training.trainer import Trainer
 
     kw = dict(num_envs=1, num_steps=64, num_minibatches=4, update_epochs=2, seed=5, tensorboard=False,
               log_every=1000, save_every=1000, total_timesteps=4 * 64, **overrides)
@@ -159,9 +159,9 @@ def test_steppable_only_for_a_plain_one_env_sync_vector_env():
 
 def test_failing_env_names_env_0(tmp_path):
     """A sub-env that raises mid-rollout ends the run with the same one-line error through the lean step."""
-    from ppokit.config import PPOConfig
+    from ppokit.config.ppo_config import PPOConfig
     from ppokit.envs.errors import EnvError
-    from ppokit.trainer import train
+    from ppokit.training.trainer import train
 
     class Breaks(gym.Wrapper):
         def __init__(self):
@@ -190,7 +190,7 @@ def test_failing_env_names_env_0(tmp_path):
 
 
 def test_acting_kernel_out_writes_the_same_bits():
-    from ppokit.acting import ActingKernel
+    from ppokit.kernels.acting import ActingKernel
     from ppokit.policies import build_policy
 
     for act_space in (gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(4)):
@@ -200,10 +200,10 @@ def test_acting_kernel_out_writes_the_same_bits():
         obs = torch.randn(1, 5)
         with torch.inference_mode():
             torch.manual_seed(1)
-            a, lp, v = (x.clone() for x in k.act(obs))
+            a, lp, v = (x.clone() for x in k.act(obs, None, None)[:3])
             torch.manual_seed(1)
             out = (torch.full_like(a, 7), torch.full_like(lp, 7), torch.full_like(v, 7))
-            k.act(obs, out=out)
+            assert k.act(obs, None, None, out=out)[3] is None
         for x, y in zip((a, lp, v), out):
             assert torch.equal(x, y)
 
@@ -214,7 +214,7 @@ def test_applies_only_to_one_cpu_box_env():
         device = torch.device("cpu")
         obs_norm = reward_scaler = host_norm = None
 
-    from ppokit.encoders import BoxEncoder
+    from ppokit.envs.encoders import BoxEncoder
 
     c = Fake()
     c.encoder, c.policy = BoxEncoder(3), type("P", (), {"kind": "continuous"})()
@@ -240,7 +240,7 @@ def _torch_recursion(deltas, decay):
 @pytest.mark.parametrize("n", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_host_gae_recursion_is_the_torch_loop_bit_for_bit(n, dtype):
-    from ppokit.advantages import _recursion, gae
+    from ppokit.core.advantages import _recursion, gae
 
     g = torch.Generator().manual_seed(n)
     T = 300
@@ -264,8 +264,8 @@ def test_host_gae_recursion_is_the_torch_loop_bit_for_bit(n, dtype):
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
 def test_one_env_next_step_collector_matches_general_loop(env_id):
     """A NEXT_STEP vector env (the reset step is no transition): the same buffer, episodes and loop state."""
-    from ppokit.normalize import ObsNormalizer, RewardScaler
     from ppokit.policies import build_policy
+    from ppokit.rollout.normalize import ObsNormalizer, RewardScaler
 
     results = []
     for lean in (True, False):

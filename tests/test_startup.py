@@ -48,7 +48,7 @@ def test_a_quiet_run_loads_tensorboard_only_to_write_events_and_never_the_progre
 
 
 def test_the_public_api_resolves_lazily_from_the_package():
-    from ppokit import trainer
+    from ppokit.training import trainer
 
     assert ppokit.resume is trainer.resume and ppokit.train is trainer.train
     assert {"resume", "train", "load", "evaluate", "PPOConfig", "Run"} <= set(ppokit.__all__)

@@ -2,7 +2,7 @@
 130 with no traceback; after start-up the trainer's own handler finishes the update, saves and exits 130 too.
 
 Each case is a real ``python -m ppokit train`` (or the console script) sent a real SIGINT. The delay counts from
-the moment ppokit's first module (``ppokit.interrupts``, imported first by the package, which installs the
+the moment ppokit's first module (``ppokit.runtime.interrupts``, imported first by the package, which installs the
 handler as it loads) is loaded, which ``-X importtime``
 reports on stderr. Before it only the interpreter has run (``site`` and its ``.pth`` files, ``runpy``, the check
 of the script's path), and CPython reports an interrupt there itself (measured: "Fatal Python error:
@@ -23,16 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.interrupts import started_as_command
+from ppokit.runtime.interrupts import started_as_command
 
 TRAIN = ["train", "--env", "CartPole-v1", "--total-timesteps", "100000000", "--quiet", "--no-tensorboard"]
-# Seconds after ppokit.interrupts is loaded: inside the package's imports (gymnasium, numpy), the parser, torch's and gymnasium's imports,
+# Seconds after ppokit.runtime.interrupts is loaded: inside the package's imports (gymnasium, numpy), the parser, torch's and gymnasium's imports,
 # building the envs, and (the last ones, on a loaded machine too) the training loop.
 DELAYS = [0.0, 0.01, 0.03, 0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 0.9, 1.2, 1.5]
 
 
 def _interrupt(cmd: list[str], delay: float, cwd: Path) -> tuple[int, str]:
-    """Start ``cmd`` under ``-X importtime``, send SIGINT ``delay`` s after ppokit.interrupts is loaded; (exit code,
+    """Start ``cmd`` under ``-X importtime``, send SIGINT ``delay`` s after ppokit.runtime.interrupts is loaded; (exit code,
     stderr without the import-time lines)."""
     proc = subprocess.Popen([sys.executable, "-X", "importtime", *cmd], cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -42,7 +42,7 @@ def _interrupt(cmd: list[str], delay: float, cwd: Path) -> tuple[int, str]:
     def read() -> None:
         for line in proc.stderr:
             if line.startswith("import time:"):
-                if line.rsplit("|", 1)[-1].strip() == "ppokit.interrupts":
+                if line.rsplit("|", 1)[-1].strip() == "ppokit.runtime.interrupts":
                     started.set()
             else:
                 lines.append(line)

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from ppokit.advantages import normalize
-from ppokit.agent import evaluate, load
-from ppokit.checkpoint import CheckpointError, load_checkpoint
-from ppokit.config import ConfigError, PPOConfig, load_preset
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 from ppokit.envs import GridWorldEnv
-from ppokit.trainer import CHECKPOINT_NAME, Trainer, resume, train
-from ppokit.update import Batch, UpdateSettings, ppo_update
+from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint
+from ppokit.training.agent import evaluate, load
+from ppokit.training.trainer import CHECKPOINT_NAME, Trainer, resume, train
+from ppokit.update.autograd import Batch, UpdateSettings, ppo_update
 
 torch.set_num_threads(1)
 
@@ -85,7 +84,7 @@ def _random_batch(policy, B=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     obs = torch.randn(B, policy.obs_dim, generator=g)
     with torch.no_grad():
-        actions, logp, values = policy.act(obs)
+        actions, logp, values, _ = policy.act(obs, None, None)
     # Perturb logp_old so that ratios spread across the clip boundary.
     logp_old = logp + 0.3 * torch.randn(B, generator=g)
     return Batch(obs, actions, logp_old, values + 0.1 * torch.randn(B, generator=g),
@@ -131,21 +130,22 @@ def test_update_diagnostics_match_independent_recomputation():
     assert stats["grad_norm"] > 0
 
 
-def test_trainer_explained_variance_is_recomputed_from_its_batch(tmp_path, monkeypatch):
+def test_trainer_explained_variance_is_recomputed_from_its_batch(tmp_path):
     """The logged diag/explained_variance of every update is 1 - Var(R - V_old) / Var(R) of that update's batch
     (the critic's rollout-time values against the GAE returns), recomputed here in float64 numpy."""
     manual: list[float] = []
-    real = Trainer.compute_advantages
+    trainer = Trainer(small_gridworld(tmp_path), console_enabled=False)
+    real = trainer.compute_advantages
 
-    def spy(self):
-        batch, advantages, returns = real(self)
+    def spy():
+        batch, advantages, returns = real()
         # Read now: the batch views the rollout buffer, which the next rollout overwrites.
         v, r = batch.values_old.double().numpy(), batch.returns.double().numpy()
         manual.append(1.0 - np.var(r - v) / np.var(r))
         return batch, advantages, returns
 
-    monkeypatch.setattr(Trainer, "compute_advantages", spy)
-    run = train(small_gridworld(tmp_path), console_enabled=False)
+    trainer.compute_advantages = spy
+    run = trainer.run()
     logged = [m["diag/explained_variance"] for m in run.metrics]
     assert len(logged) == len(manual) == 8
     assert logged == pytest.approx(manual, rel=1e-4, abs=1e-5)
@@ -294,8 +294,9 @@ def test_continuous_actions_store_the_unclipped_sample_and_its_log_prob(tmp_path
 
 # ------------------------------------------------------------------ sinks
 def test_run_dir_holds_csv_tensorboard_checkpoint_config_and_curves(tmp_path):
-    from rich.console import Console
     import io
+
+    from rich.console import Console
 
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=120)
@@ -333,6 +334,15 @@ def test_loaded_agent_acts_identically_to_the_trained_policy(tmp_path):
     np.testing.assert_array_equal(agent.act(obs), expected)
     np.testing.assert_allclose(agent.value(obs), expected_v, rtol=1e-6)
     assert agent.act(obs[3]) == expected[3]  # one observation in, one action out
+    # SB3's shape: (actions, state); a feed-forward policy hands the state back untouched.
+    actions, state = agent.predict(obs, state=None, episode_start=np.ones(16, bool), deterministic=True)
+    np.testing.assert_array_equal(actions, expected)
+    assert state is None
+    torch.manual_seed(0)
+    sampled, _ = agent.predict(np.repeat(obs[:1], 2000, axis=0))  # deterministic=False by default, as in SB3
+    torch.manual_seed(0)
+    assert np.array_equal(sampled, agent.act(np.repeat(obs[:1], 2000, axis=0), deterministic=False))
+    assert len(set(sampled.tolist())) > 1  # a fresh 4-action policy samples more than one action
 
 
 def _metric_rows(path):
@@ -398,18 +408,27 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error_and_nothing_is_overwritt
         ({"target_kl": -0.1}, "target_kl", "> 0"),
     ],
 )
-def test_invalid_config_names_the_field_before_any_env_is_created(tmp_path, monkeypatch, overrides, field, fragment):
-    import ppokit.envs
+def test_invalid_config_names_the_field_before_any_env_is_created(tmp_path, overrides, field, fragment):
+    made = []
 
-    def no_env(*a, **k):
-        raise AssertionError("an environment was created for an invalid config")
+    class CountedGrid(GridWorldEnv):
+        def __init__(self, **kw):
+            made.append(kw)
+            super().__init__(**kw)
 
-    monkeypatch.setattr(ppokit.envs, "make_vec_env", no_env)
-    cfg = PPOConfig.from_dict(overrides, small_gridworld(tmp_path))
-    with pytest.raises(ConfigError) as err:
-        train(cfg, console_enabled=False)
-    assert err.value.field == field
-    assert field in str(err.value) and fragment in str(err.value)
+    env_id = "ppokit_test/CountedGrid-v0"
+    gym.register(env_id, entry_point=CountedGrid, max_episode_steps=50)
+    try:
+        gym.make(env_id).close()  # control: building this env is seen
+        assert len(made) == 1
+        cfg = PPOConfig.from_dict({"env_id": env_id, **overrides}, small_gridworld(tmp_path))
+        with pytest.raises(ConfigError) as err:
+            train(cfg, console_enabled=False)
+        assert err.value.field == field
+        assert field in str(err.value) and fragment in str(err.value)
+        assert len(made) == 1, "an environment was created for an invalid config"
+    finally:
+        gym.registry.pop(env_id, None)
 
 
 def test_unknown_env_id_suggests_the_closest_registered_ids(tmp_path):
@@ -502,7 +521,7 @@ def test_cli_env_alias_and_config_errors(tmp_path, capsys):
 
 def test_bare_train_uses_the_cartpole_preset():
     from ppokit.cli import build_parser
-    from ppokit.commands.train import config_from_args
+    from ppokit.cli.train import config_from_args
 
     args = build_parser().parse_args(["train"])
     assert config_from_args(args) == load_preset("cartpole")

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import ppokit.trainer as trainer_mod
-from ppokit.config import PPOConfig, load_preset
-from ppokit.trainer import Trainer, train
+from ppokit.config.ppo_config import PPOConfig, load_preset
+from ppokit.training.trainer import Trainer, train
+from ppokit.update.epochs import ppo_epochs
 
 torch.set_num_threads(1)
 
@@ -77,20 +77,20 @@ def record_steps(trainer: Trainer) -> list[tuple]:
 
 # ------------------------------------------------------------------ clip_coef schedule
 @pytest.mark.parametrize("fused", [True, False])
-def test_annealed_clip_coef_reaches_the_update_and_the_log(tmp_path, monkeypatch, fused):
+def test_annealed_clip_coef_reaches_the_update_and_the_log(tmp_path, fused):
     """anneal_clip: update u (0-based) of n uses clip_coef * (1 - u/n), in the update itself and in the log."""
-    used: list[float] = []
-    real = trainer_mod.ppo_epochs
-
-    def spy(batch, s, *a, **k):
-        used.append(s.clip_coef)
-        return real(batch, s, *a, **k)
-
-    monkeypatch.setattr(trainer_mod, "ppo_epochs", spy)
     cfg = load_preset("gridworld")
     cfg.total_timesteps = 4 * cfg.batch_size
     cfg.run_dir, cfg.tensorboard, cfg.anneal_clip, cfg.fused_update = str(tmp_path / "r"), False, True, fused
-    run = train(cfg, console_enabled=False)
+    trainer = Trainer(cfg, console_enabled=False)
+    used: list[float] = []
+
+    def loop(batch, s, *a, **k):
+        used.append(s.clip_coef)
+        return ppo_epochs(batch, s, *a, **k)
+
+    trainer.epoch_loop = loop
+    run = trainer.run()
     expected = [cfg.clip_coef * (1 - u / 4) for u in range(4)]
     assert used == pytest.approx(expected)
     assert [m["charts/clip_coef"] for m in run.metrics] == pytest.approx(expected)

@@ -22,10 +22,10 @@ import torch
 from gymnasium.envs.classic_control.pendulum import PendulumEnv
 
 import ppokit
-from ppokit.checkpoint import BOUNDED_KEYS, WEIGHT_BOUND, CheckpointError, load_checkpoint, save_checkpoint
 from ppokit.cli import main
-from ppokit.config import ConfigError, PPOConfig
-from ppokit.trainer import CHECKPOINT_NAME, resume, train
+from ppokit.config.ppo_config import ConfigError, PPOConfig
+from ppokit.runtime.checkpoint import BOUNDED_KEYS, WEIGHT_BOUND, CheckpointError, load_checkpoint, save_checkpoint
+from ppokit.training.trainer import CHECKPOINT_NAME, resume, train
 
 torch.set_num_threads(1)
 
@@ -278,7 +278,7 @@ def test_the_trainer_counts_the_real_network_before_building_it(tmp_path):
     """validate() counts a one-float observation (a lower bound); the trainer counts the policy the spaces make:
     here 2 x 1,000,000 x 20,000 first-layer weights, 640 GB with gradients and Adam, refused before allocation
     (without the check torch would try to allocate them)."""
-    from ppokit.resources import policy_parameters
+    from ppokit.policies.build import policy_parameters
 
     cfg = PPOConfig(env_id="wide", num_envs=1, num_steps=8, num_minibatches=1, update_epochs=1,
                     total_timesteps=8, hidden_sizes=[20_000, 1], tensorboard=False, run_dir=str(tmp_path / "r"))
@@ -299,7 +299,7 @@ def test_the_trainer_counts_the_real_network_before_building_it(tmp_path):
 ])
 def test_the_parameter_count_is_the_built_policys(make_spaces):
     from ppokit.policies import build_policy
-    from ppokit.resources import policy_parameters
+    from ppokit.policies.build import policy_parameters
 
     obs_space, act_space = make_spaces()
     built = build_policy(obs_space, act_space, [64, 32], "tanh")

@@ -7,19 +7,16 @@ optimizer of a real (short) training run.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
-import ppokit.trainer as trainer_mod
-import ppokit.update as update_mod
-from ppokit.config import load_preset
+from ppokit.config.ppo_config import load_preset
 from ppokit.envs import GridWorldEnv
 from ppokit.policies import ActorCritic
-from ppokit.trainer import Trainer, adapt_kl_beta, train
-from ppokit.update import Batch, UpdateSettings, minibatch_loss
+from ppokit.training.trainer import Trainer, adapt_kl_beta, train
+from ppokit.update.autograd import Batch, UpdateSettings, minibatch_loss
+from ppokit.update.epochs import ppo_epochs
 
 
 # ---------------------------------------------------------------------------- the beta rule
@@ -57,28 +54,28 @@ def _tiny_config(tmp_path, algo, updates=4, **kw):
     return cfg
 
 
-def test_trainer_applies_beta_rule_to_measured_kl(tmp_path, monkeypatch):
+def test_trainer_applies_beta_rule_to_measured_kl(tmp_path):
     """Wire-up: the trainer feeds each post-update KL to the rule, uses the new beta in the next update, logs it."""
     kls = iter([0.05, 0.05, 0.001, 0.012, 0.03])
     per_update: dict[int, float] = {}
-
-    def fake_batch_kl(self, batch):
-        # Measured once per update: the beta rule and the logged diag/approx_kl_after share it.
-        assert self.global_step not in per_update, "batch_kl measured twice in one update"
-        per_update[self.global_step] = next(kls)
-        return per_update[self.global_step]
-
-    monkeypatch.setattr(Trainer, "batch_kl", fake_batch_kl)
-    used = []
-    real_update = trainer_mod.ppo_epochs
-
-    def spy(batch, s, *a, **k):
-        used.append(s.kl_beta)
-        return real_update(batch, s, *a, **k)
-
-    monkeypatch.setattr(trainer_mod, "ppo_epochs", spy)
     cfg = _tiny_config(tmp_path, "ppo-kl", updates=5, init_kl_beta=1.0, kl_target=0.01)
-    run = train(cfg, console_enabled=False)
+    tr = Trainer(cfg, console_enabled=False)
+
+    def fake_batch_kl(batch):
+        # Measured once per update: the beta rule and the logged diag/approx_kl_after share it.
+        assert tr.global_step not in per_update, "batch_kl measured twice in one update"
+        per_update[tr.global_step] = next(kls)
+        return per_update[tr.global_step]
+
+    tr.batch_kl = fake_batch_kl
+    used = []
+
+    def loop(batch, s, *a, **k):
+        used.append(s.kl_beta)
+        return ppo_epochs(batch, s, *a, **k)
+
+    tr.epoch_loop = loop
+    run = tr.run()
     # beta_{u+1} = rule(beta_u, KL_u):  1 -> 2 -> 4 -> 2 -> 2 -> 4
     assert used == [1.0, 2.0, 4.0, 2.0, 2.0]
     assert [m["charts/kl_beta"] for m in run.metrics] == [2.0, 4.0, 2.0, 2.0, 4.0]
@@ -223,7 +220,7 @@ def test_value_clipping_only_for_ppo(algo, clipped):
 
 
 # ---------------------------------------------------------------------------- one optimizer step per rollout
-def _count_steps(tmp_path, algo, monkeypatch, **kw):
+def _count_steps(tmp_path, algo, **kw):
     cfg = _tiny_config(tmp_path, algo, updates=5, **kw)
     tr = Trainer(cfg, console_enabled=False)
     calls = {"step": 0, "mb_sizes": [], "batch_sizes": []}
@@ -234,13 +231,21 @@ def _count_steps(tmp_path, algo, monkeypatch, **kw):
         return real_step(*a, **k)
 
     tr.optimizer.step = counting_step
-    real_loss = update_mod.minibatch_loss
 
-    def spy_loss(policy, mb, s):
-        calls["mb_sizes"].append(len(mb))
-        return real_loss(policy, mb, s)
+    class CountingStep:
+        """The update's own step, recording the size of every minibatch whose loss it computes."""
 
-    monkeypatch.setattr(update_mod, "minibatch_loss", spy_loss)
+        def __init__(self, step):
+            self.step = step
+
+        def __getattr__(self, name):
+            return getattr(self.step, name)
+
+        def backward(self, mb):
+            calls["mb_sizes"].append(len(mb) if isinstance(mb, Batch) else None)
+            return self.step.backward(mb)
+
+    tr.epoch_loop = lambda batch, s, step, **k: ppo_epochs(batch, s, CountingStep(step), **k)
     real_adv = tr.compute_advantages
 
     def spy_adv():
@@ -255,9 +260,9 @@ def _count_steps(tmp_path, algo, monkeypatch, **kw):
     return cfg, run, calls
 
 
-def test_a2c_takes_exactly_one_step_per_rollout_on_the_whole_batch(tmp_path, monkeypatch):
+def test_a2c_takes_exactly_one_step_per_rollout_on_the_whole_batch(tmp_path):
     # K, minibatches and target_kl are set as for PPO; a2c must ignore them.
-    cfg, run, calls = _count_steps(tmp_path, "a2c", monkeypatch, update_epochs=4, num_minibatches=4,
+    cfg, run, calls = _count_steps(tmp_path, "a2c", update_epochs=4, num_minibatches=4,
                                    target_kl=0.01)
     assert cfg.num_updates == 5
     assert calls["step"] == 5
@@ -271,7 +276,7 @@ def test_a2c_logs_the_kl_its_step_moved_the_policy_and_compare_summarizes_that(t
     """A2C's only step is taken at ratio 1, so its per-minibatch ``diag/approx_kl`` is 0 on every update;
     ``diag/approx_kl_after`` (k3 of the updated policy vs pi_old on the whole batch) is what it moved, and the
     compare/sweep summary's max KL and 'KL > 0.1' are read from it."""
-    from ppokit import experiments as ex
+    from ppokit.analysis import experiments as ex
 
     cfg = _tiny_config(tmp_path, "a2c", updates=3)
     run = train(cfg, console_enabled=False)
@@ -290,36 +295,29 @@ def test_a2c_logs_the_kl_its_step_moved_the_policy_and_compare_summarizes_that(t
     assert row["kl_exploded"] is True and row["kl_exploded_seeds"] == 1
 
 
-def test_approx_kl_after_is_logged_for_every_algorithm_and_matches_batch_kl(tmp_path, monkeypatch):
-    seen = []
-    real = Trainer.batch_kl
-
-    def spy(self, batch):
-        kl = real(self, batch)
-        seen.append(kl)
-        return kl
-
-    monkeypatch.setattr(Trainer, "batch_kl", spy)
-    for algo in ("ppo", "ppo-kl"):
-        seen.clear()
-        run = train(_tiny_config(tmp_path, algo, updates=2), console_enabled=False)
-        logged = [m["diag/approx_kl_after"] for m in run.metrics]
-        assert all(k > 0 for k in logged)
-        # ppo-kl's beta rule measures the same quantity; it is the same number
-        assert all(k in seen for k in logged)
+@pytest.mark.parametrize("algo", ["ppo", "ppo-kl"])
+def test_approx_kl_after_is_logged_for_every_algorithm_and_matches_batch_kl(tmp_path, algo):
+    tr = Trainer(_tiny_config(tmp_path, algo, updates=2), console_enabled=False)
+    seen, real = [], tr.batch_kl
+    tr.batch_kl = lambda batch: seen.append(real(batch)) or seen[-1]
+    run = tr.run()
+    logged = [m["diag/approx_kl_after"] for m in run.metrics]
+    assert all(k > 0 for k in logged)
+    # ppo-kl's beta rule measures the same quantity; it is the same number
+    assert logged == seen
 
 
-def test_ppo_step_count_control(tmp_path, monkeypatch):
+def test_ppo_step_count_control(tmp_path):
     """Control for the counters: PPO with K=4 x 4 minibatches takes 16 steps per rollout (no early stop).
 
     The autograd path (``fused_update`` off) is the one a2c runs, so both counters are checked on it; the fused
     path's step count is checked through Adam's state.
     """
-    _, _, calls = _count_steps(tmp_path, "ppo", monkeypatch, update_epochs=4, num_minibatches=4, target_kl=None,
+    _, _, calls = _count_steps(tmp_path, "ppo", update_epochs=4, num_minibatches=4, target_kl=None,
                                fused_update=False)
     assert calls["step"] == 5 * 16 and calls["adam_steps"] == {5 * 16}
     assert calls["mb_sizes"] == [n // 4 for n in calls["batch_sizes"] for _ in range(16)]
-    _, _, fused = _count_steps(tmp_path / "fused", "ppo", monkeypatch, update_epochs=4, num_minibatches=4,
+    _, _, fused = _count_steps(tmp_path / "fused", "ppo", update_epochs=4, num_minibatches=4,
                                target_kl=None, fused_update=True)
     assert fused["adam_steps"] == {5 * 16}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ppokit.config import ConfigError, PPOConfig
+from ppokit.config.ppo_config import ConfigError, PPOConfig
 
 
 def _config(tmp_path, **kw) -> PPOConfig:
@@ -70,8 +70,8 @@ def _history(path: Path) -> list[dict]:
 
 def test_offline_run_writes_a_wandb_run_with_the_metrics(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="needs pip install -e '.[wandb]'")
-    from ppokit import schema as S
-    from ppokit.trainer import train
+    from ppokit.core import schema as S
+    from ppokit.training.trainer import train
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
@@ -91,7 +91,7 @@ def test_offline_run_writes_a_wandb_run_with_the_metrics(tmp_path, monkeypatch):
 
 def test_sink_leaves_non_finite_values_out(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="needs pip install -e '.[wandb]'")
-    from ppokit.wandb_sink import WandbSink
+    from ppokit.runtime.wandb_sink import WandbSink
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
@@ -110,7 +110,7 @@ def test_sink_leaves_non_finite_values_out(tmp_path, monkeypatch):
 
 def test_track_without_wandb_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
     from ppokit.cli import main
-    from ppokit.trainer import train
+    from ppokit.training.trainer import train
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

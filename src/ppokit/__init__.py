@@ -3,25 +3,29 @@
 The public API is imported lazily so that ``import ppokit`` and ``ppokit --help`` stay light.
 """
 
-from __future__ import annotations
 
-__version__ = "0.1.0"
+from ppokit._version import __version__
 
 # First, before the imports below: on the command line a Ctrl-C during start-up exits 130 without a traceback.
-from ppokit import interrupts as _interrupts  # noqa: E402,F401  (defers a start-up Ctrl-C on import)
+from ppokit.runtime import interrupts as _interrupts  # noqa: E402,F401  (defers a start-up Ctrl-C on import)
 
 _LAZY = {
-    "PPOConfig": "ppokit.config",
-    "ConfigError": "ppokit.config",
-    "train": "ppokit.trainer",
-    "resume": "ppokit.trainer",
-    "Run": "ppokit.trainer",
-    "load": "ppokit.agent",
-    "Agent": "ppokit.agent",
-    "evaluate": "ppokit.agent",
+    "PPOConfig": "ppokit.config.ppo_config",
+    "ConfigError": "ppokit.config.ppo_config",
+    "train": "ppokit.training.trainer",
+    "resume": "ppokit.training.trainer",
+    "Run": "ppokit.training.trainer",
+    "load": "ppokit.training.agent",
+    "Agent": "ppokit.training.agent",
+    "evaluate": "ppokit.training.agent",
 }
 
 __all__ = ["__version__", *_LAZY]
+
+
+def __dir__() -> list[str]:
+    # The lazy names are attributes too: tab completion and dir() show the public API before first use.
+    return sorted({*globals(), *_LAZY})
 
 
 def __getattr__(name: str):

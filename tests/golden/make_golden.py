@@ -57,7 +57,7 @@ NUM_UPDATES = 5
 
 def case_config(name: str):
     """The ``PPOConfig`` of case ``name`` (budget: ``NUM_UPDATES`` updates)."""
-    from ppokit.config import PPOConfig
+    from ppokit.config.ppo_config import PPOConfig
 
     kw = {**_BASE, **CASES[name]}
     kw["total_timesteps"] = NUM_UPDATES * kw["num_envs"] * kw["num_steps"]
@@ -104,7 +104,7 @@ def params_summary(policy) -> dict[str, dict]:
 def run_case(name: str, workdir: Path) -> tuple[str, dict[str, dict], str]:
     """Train case ``name`` in ``workdir``; return (metrics.csv without perf/*, ``params_summary`` and sha256 of
     the final parameters)."""
-    from ppokit.trainer import train
+    from ppokit.training.trainer import train
 
     run = train(case_config(name), run_dir=workdir / name, console_enabled=False)
     return (strip_timing((run.run_dir / "metrics.csv").read_text()), params_summary(run.policy),

@@ -72,7 +72,7 @@ def _value_checker(space: Any) -> Any:
     are checked and encoded; None for a plain Box (a float32 flatten)."""
     from gymnasium import spaces
 
-    from ..encoders import image_layout, observation_encoder
+    from ppokit.envs.encoders import image_layout, observation_encoder
 
     if isinstance(space, (spaces.Discrete, spaces.Dict, spaces.Tuple)) or image_layout(space) is not None:
         # A Dict env's observations come through here every step: build its encoder once per space object (the
@@ -193,7 +193,7 @@ def env_failure(env_id: str, phase: str, global_step: int, exc: BaseException | 
     """
     if isinstance(exc, EnvError):
         return exc
-    from .watchdog import EnvTimeout, pending_workers
+    from ppokit.envs.watchdog import EnvTimeout, pending_workers
 
     if isinstance(exc, EnvTimeout):
         # A hung env is never called again (a probe would hang too): the index is the sub-env whose frame the
@@ -224,12 +224,12 @@ def env_failure(env_id: str, phase: str, global_step: int, exc: BaseException | 
 
 
 def check_obs_batch(obs: Any, num_envs: int, space: Any, env_id: str, phase: str, global_step: int) -> np.ndarray:
-    """The batched observation encoded (a flat ``[N, obs_dim]`` float32 array for a Box; see ``ppokit.encoders``
+    """The batched observation encoded (a flat ``[N, obs_dim]`` float32 array for a Box; see ``ppokit.envs.encoders``
     for the others), or an ``EnvError`` saying what is wrong.
 
     The trainer calls this only when the cheap test (an ndarray of the expected shape and a numeric dtype) fails,
     so well-behaved envs never pay for it; a list or tensor of the right shape is still accepted. A Discrete
-    observation must hold integers in the space's range and comes back one-hot encoded (``ppokit.encoders``).
+    observation must hold integers in the space's range and comes back one-hot encoded (``ppokit.envs.encoders``).
     """
     structured = _value_checker(space)
     if structured is not None and structured.structured:  # a Dict/Tuple: each entry checked, then encoded

@@ -14,7 +14,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
-from .watchdog import async_kwargs
+from ppokit.envs.watchdog import async_kwargs
 
 VECTOR_MODES = ("sync", "async", "native", "envpool")
 # The env_id recorded for a custom env without a registered spec: "custom:MyEnv" (MyEnv: its unwrapped class).
@@ -73,7 +73,7 @@ def _import_from_cwd(module: str) -> None:
 
 def _ensure_registered() -> None:
     # The factory can be imported on its own (e.g. in a subprocess); the GridWorld must exist first.
-    from ppokit.envs import register_envs
+    from ppokit.envs.registration import register_envs
 
     register_envs()
 
@@ -83,7 +83,7 @@ def check_env_id(env_id: str) -> None:
     if not isinstance(env_id, str) or not env_id:
         raise ValueError(f"env_id must be a non-empty string, got {env_id!r}")
     _ensure_registered()
-    from ppokit.atari import register_ale
+    from ppokit.envs.atari import register_ale
 
     register_ale(env_id)  # ALE/... ids exist once ale-py is imported (only Atari-looking ids import it)
     module, name = _split_module(env_id)
@@ -184,11 +184,11 @@ def check_spaces(env: Any) -> str:
     obs = env.observation_space if obs is None else obs
 
     if isinstance(obs, (spaces.Dict, spaces.Tuple)):
-        from ..encoders import observation_encoder
+        from ppokit.envs.encoders import observation_encoder
 
-        observation_encoder(obs)  # one encoder per entry (ppokit.encoders); ValueError naming an unsupported one
+        observation_encoder(obs)  # one encoder per entry (ppokit.envs.encoders); ValueError naming an unsupported one
     elif isinstance(obs, spaces.Discrete):
-        # One-hot encoded on entry (ppokit.encoders); a Discrete of no values has nothing to encode.
+        # One-hot encoded on entry (ppokit.envs.encoders); a Discrete of no values has nothing to encode.
         if int(obs.n) < 1:
             raise ValueError(f"Unsupported observation space {obs}: it has no values.")
     elif not isinstance(obs, spaces.Box):
@@ -286,7 +286,7 @@ def resolve_env(env: Any, config: Any) -> tuple[Any, CustomEnv | None]:
     its provisional name (the trainer records the final one once the env exists). The config is copied, never
     changed in place. Combinations a custom env cannot serve raise ``ConfigError`` naming the field.
     """
-    from ppokit.config import ConfigError
+    from ppokit.core.errors import ConfigError
 
     if env is None:
         return config, None
@@ -325,7 +325,7 @@ def resolve_env(env: Any, config: Any) -> tuple[Any, CustomEnv | None]:
 def _env_kwargs_error(env_id: str, kwargs: dict, exc: BaseException) -> ValueError:
     """The env's constructor refused ``env_kwargs``: one line naming the field (Gymnasium raises a TypeError for
     an unknown keyword; an env may raise a KeyError for a value it does not know, as FrozenLake for a map_name)."""
-    from ppokit.config import ConfigError
+    from ppokit.core.errors import ConfigError
 
     text = str(exc).split(" was raised from the environment creator")[0]  # Gymnasium appends all the kwargs
     return ConfigError("env_kwargs", f"{env_id} refused {kwargs}: {type(exc).__name__}: {text}")

@@ -1,4 +1,4 @@
-"""GridWorld: the small deterministic exercise environment of the PPO lesson.
+"""GridWorld: a small deterministic exercise environment for PPO.
 
 The agent starts in the top-left cell (index 0) of a ``size x size`` grid and
 must reach the bottom-right cell (index ``size * size - 1``).

@@ -9,7 +9,7 @@ call a few times a second; once it has run ``timeout`` seconds, or ``STOP_GRACE_
 the run to stop (the first Ctrl-C only sets a flag the loop reads between updates, which a hung env never
 reaches), the thread sends SIGALRM to the main thread, whose handler raises ``EnvTimeout`` there. The trainer
 turns that into its usual env failure: one line naming the env, the index, the phase and the step, after saving
-the learner state (``envs.errors``, ``trainer_lifecycle``).
+the learner state (``envs.errors``, ``training.lifecycle``).
 
 What a signal interrupts: any Python code (checked between bytecodes) and any blocking system call the
 interpreter wraps (``time.sleep``, ``select``, socket and pipe reads: PEP 475 runs the handler and the exception
@@ -275,9 +275,9 @@ def orphan_proof_worker(index: int, env_fn: Any, pipe: Any, parent_pipe: Any, sh
                         autoreset_mode: Any, semaphore: Any) -> None:
     """Gymnasium's ``_async_worker`` (the ``worker`` of ``AsyncVectorEnv``), in a process that dies with the
     trainer; an env whose ``close()`` raises at the end costs one line naming it instead of a traceback."""
-    from gymnasium.vector.async_vector_env import _async_worker
-
     import multiprocessing
+
+    from gymnasium.vector.async_vector_env import _async_worker
 
     parent = multiprocessing.parent_process()
     _die_with_parent(parent.pid if parent is not None else None)
@@ -293,8 +293,15 @@ def orphan_proof_worker(index: int, env_fn: Any, pipe: Any, parent_pipe: Any, sh
     except Exception as exc:  # noqa: BLE001 - the worker's last act, env.close(), raised
         name = _env_name(made[0]) if made else "?"
         message = " ".join(str(exc).split()) or "(no message)"
-        print(f"warning: env {name!r} (env index {index}) failed in close(): raised {type(exc).__name__}: "
-              f"{message}", file=sys.stderr, flush=True)
+        # One write of the whole line: the workers close at the same time, and print's separate writes of the
+        # text and its newline interleave across processes (two warnings ran together on one line).
+        line = (f"warning: env {name!r} (env index {index}) failed in close(): raised {type(exc).__name__}: "
+                f"{message}\n")
+        try:
+            sys.stderr.flush()
+            os.write(sys.stderr.fileno(), line.encode(errors="replace"))
+        except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
+            print(line, end="", file=sys.stderr, flush=True)
 
 
 def _env_name(env: Any) -> str:

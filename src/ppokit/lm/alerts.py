@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 
-from .. import schema as S
-from ..doctor_lm import KL_REF_RUNAWAY, ZERO_STD_FRAC
-from ..monitor import Alert
+from ppokit.core import schema as S
+from ppokit.core.schema import KL_REF_RUNAWAY, ZERO_STD_FRAC
+from ppokit.diagnostics.monitor import Alert
 
 __all__ = ["LMAlerts"]
 

@@ -19,34 +19,33 @@ import hashlib
 import math
 import os
 import shutil
-import uuid
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from .. import distributed
-from .. import schema as S
-from ..checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from ..monitor import Monitor
-from ..policies import frozen_copy
-from .alerts import LMAlerts
-from .checks import check_context, check_lm_memory, check_tokenizer
-from .config import LMConfig
-from .durable import LMRunLifecycle
-from .generation import HFGenerator, SamplingSettings
-from .kernels import fuse_activations
-from .logprobs import token_logprobs
-from .prompts import PromptSource
-from .rewards import make_reward
-from .rollout import Sampled, sample
-from .sampling import CachedSampler
+from ppokit.core import schema as S
+from ppokit.diagnostics.monitor import Monitor
+from ppokit.lm.alerts import LMAlerts
+from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer
+from ppokit.lm.config import LMConfig
+from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
+from ppokit.lm.generation import HFGenerator, SamplingSettings
+from ppokit.lm.kernels import fuse_activations
+from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.prompts import PromptSource
+from ppokit.lm.rewards import make_reward
+from ppokit.lm.rollout import Sampled, sample
+from ppokit.lm.sampling import CachedSampler
+from ppokit.policies import frozen_copy
+from ppokit.runtime import distributed
+from ppokit.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 __all__ = ["LMTrainer", "is_peft_model", "disable_dropout", "adamw"]
 
-CHECKPOINT = "trainer_state.pt"
 _EVAL_SEED_OFFSET = 7_919  # evaluate()/generate() sample from seed + this, apart from training's stream
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from ..config import ConfigError
-from ..resources import available_memory
+from ppokit.config.ppo_config import ConfigError
+from ppokit.config.resources import available_memory
 
 __all__ = ["PromptError", "context_limit", "check_tokenizer", "prompt_lengths", "check_context", "check_pairs_context",
            "estimate_lm_memory", "check_lm_memory"]

@@ -2,9 +2,9 @@
 
 One dataclass for the three trainers (a field a trainer does not use is ignored by it: ``beta`` by PPO, the value
 fields by GRPO and DPO). Each field's ``help`` is its documentation (and the CLI's ``--help`` line). ``validate``
-raises ``ppokit.config.ConfigError`` naming the first invalid field and the reason, before any model is touched.
+raises ``ppokit.config.ppo_config.ConfigError`` naming the first invalid field and the reason, before any model is touched.
 
-The guard rails are the Gymnasium trainer's (``ppokit.config.SAFE_LIMITS``): more than 30 epochs over a rollout or
+The guard rails are the Gymnasium trainer's (``ppokit.config.ppo_config.SAFE_LIMITS``): more than 30 epochs over a rollout or
 a clip range above 0.3 is refused, and so is PPO without advantage whitening or without KL / clip-fraction
 monitoring, unless ``unsafe=True`` (an ablation, stamped as such in the run's config).
 """
@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SAFE_LIMITS, ConfigError
-from ..reductions import REDUCTION_MODES
-from ..schema import KL_STOP_FACTOR
+from ppokit.config.ppo_config import SAFE_LIMITS, ConfigError
+from ppokit.core.reductions import REDUCTION_MODES
+from ppokit.core.schema import KL_STOP_FACTOR
 
 __all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
 
@@ -62,7 +62,9 @@ class LMConfig:
                                  "(none: never)")
     loss_reduction: str = _f("token_mean", "how per-token losses become one scalar: "
                              + ", ".join(m for m in REDUCTION_MODES if m != "mean")
-                             + " (see ppokit.reductions.reduce)")
+                             + " (see ppokit.core.reductions.reduce)")
+    policy_loss: str = _f("ppo", "PPO and GRPO: the policy loss, a name registered in ppokit.lm.losses (ppo: the "
+                          "clipped surrogate, with GRPO's beta * k3 KL to pi_ref); DPO always uses dpo")
     ent_coef: float = _f(0.0, "entropy bonus coefficient, >= 0")
     whiten_advantages: bool = _f(True, "PPO: whiten the advantages over the rollout's response tokens (required "
                                  "unless unsafe)")
@@ -147,12 +149,17 @@ class LMConfig:
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
              f"must be one of {', '.join(SCALE_REWARDS)}, got {self.scale_rewards!r}")
+        from ppokit.lm.losses import LOSSES  # torch, so not at import: the CLI's --help stays light
+
+        token_losses = sorted(n for n in LOSSES if n != "dpo")
+        need(self.policy_loss in token_losses, "policy_loss",
+             f"must be one of {', '.join(token_losses)} (ppokit.lm.losses), got {self.policy_loss!r}")
         need(self.loss_reduction in REDUCTION_MODES and self.loss_reduction != "mean", "loss_reduction",
              f"must be one of {', '.join(m for m in REDUCTION_MODES if m != 'mean')}, got {self.loss_reduction!r}")
         need(self.num_minibatches <= self.rollout_size, "num_minibatches",
              f"{self.num_minibatches} minibatches cannot split {self.rollout_size} completions (batch_prompts * "
              f"group_size); use at most {self.rollout_size}")
-        from ..resources import check_device
+        from ppokit.config.resources import check_device
 
         check_device(self.device)
         if not self.unsafe:

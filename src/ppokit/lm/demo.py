@@ -180,7 +180,7 @@ class DemoSettings:
 
 def lm_config(seed: int, settings: DemoSettings, **fields):
     """The demo's ``LMConfig``: 8 prompts x 8 completions, 16 new tokens, 2 epochs of 2 minibatches, one thread."""
-    from .config import LMConfig
+    from ppokit.lm.config import LMConfig
 
     base = dict(seed=seed, batch_prompts=8, group_size=8, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0,
                 update_epochs=2, num_minibatches=2, torch_threads=1, log_every=10, console=False,
@@ -205,7 +205,7 @@ def _fresh(run_dir: Path | None) -> Path | None:
 
 
 def _rl_stage(cls, sft_model, tokenizer, config, run_dir, iterations: int, before: dict, eval_seed: int) -> dict:
-    from .. import schema as S
+    from ppokit.core import schema as S
 
     run_dir = _fresh(run_dir)
     model = copy.deepcopy(sft_model)
@@ -232,10 +232,10 @@ def run_demo(seed: int = 1, json_path: str | Path | None = None, out_dir: str | 
 
     ``out_dir`` gets ``lm_demo.png`` and the PPO/GRPO/DPO run directories (``ppokit doctor OUT/ppo`` works on
     them); None writes nothing. ``json_path`` gets the results as JSON (the issue's schema)."""
-    from .dpo import DPOTrainer
-    from .grpo import GRPOTrainer
-    from .ppo import PPOTrainer
-    from .tiny import build_tiny
+    from ppokit.lm.dpo import DPOTrainer
+    from ppokit.lm.grpo import GRPOTrainer
+    from ppokit.lm.ppo import PPOTrainer
+    from ppokit.lm.tiny import build_tiny
 
     _quiet_transformers()
     settings = settings or DemoSettings()
@@ -330,7 +330,7 @@ def _curve_text(values: list[float], points: int = 10) -> str:
 
 def write_plot(results: dict, path: Path) -> Path:
     """Four panels: the SFT loss, the PPO/GRPO score per iteration, eval reward per stage, DPO accuracy."""
-    from ..plots import _new_figure
+    from ppokit.diagnostics.plots import _new_figure
 
     fig = _new_figure(figsize=(11.0, 7.0), layout="constrained")
     (ax_sft, ax_rl), (ax_eval, ax_dpo) = fig.subplots(2, 2)
@@ -363,14 +363,3 @@ def _quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ppokit.lm.demo [--seed N] [--json FILE] [--out DIR] [--quiet]`` (same as ``ppokit lm demo``)."""
-    from ..cli import main as cli_main
-
-    return cli_main(["lm", "demo", *(argv if argv is not None else __import__("sys").argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

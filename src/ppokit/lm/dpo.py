@@ -18,26 +18,16 @@ import time
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import schema as S
-from .base import LMTrainer
-from .checks import check_pairs_context
-from .logprobs import token_logprobs
-from .rollout import encode_prompts
+from ppokit.core import schema as S
+from ppokit.lm.base import LMTrainer
+from ppokit.lm.checks import check_pairs_context
+from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.losses import LossSettings, get_loss
+from ppokit.lm.rollout import encode_prompts
 
-__all__ = ["DPOTrainer", "dpo_loss", "encode_pairs"]
-
-
-def dpo_loss(logp_chosen: Tensor, logp_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
-             beta: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(loss, chosen_rewards [N], rejected_rewards [N])`` from ``[N]`` sequence log-probs under pi and pi_ref:
-    rewards ``beta * (logp - ref)``, loss ``mean(-log sigmoid(chosen - rejected))`` (``logsigmoid`` is the
-    stable form of ``log(1 / (1 + exp(-z)))``)."""
-    chosen = beta * (logp_chosen - ref_chosen)
-    rejected = beta * (logp_rejected - ref_rejected)
-    return -F.logsigmoid(chosen - rejected).mean(), chosen.detach(), rejected.detach()
+__all__ = ["DPOTrainer", "encode_pairs"]
 
 
 def _check_pairs(pairs: Any) -> list[tuple[str, str, str]]:
@@ -113,15 +103,20 @@ class DPOTrainer(LMTrainer):
         return out
 
     # ---------------------------------------------------------------- log-probs
-    def sequence_logprobs(self, pairs: list[tuple[str, str, str]], reference: bool = False) -> Tensor:
-        """``[2N]`` summed response log-probs (chosen rows, then rejected) under pi (with gradient) or pi_ref."""
+    def token_logprobs(self, pairs: list[tuple[str, str, str]], reference: bool = False) -> tuple[Tensor, Tensor]:
+        """``([2N, R] response-token log-probs, [2N, R] response mask)``, chosen rows over rejected, under pi (with
+        gradient) or pi_ref."""
         ids, mask, R = encode_pairs(self.tokenizer, pairs, self.sampling.pad_token_id, self.sampling.eos_token_id,
                                     self.device)
-        resp_mask = mask[:, -R:].bool()
         if reference:
             logp = self.ref_logprobs(ids, mask, R, temperature=1.0)
         else:
             logp, _ = token_logprobs(self.policy, ids, mask, R, 1.0)
+        return logp, mask[:, -R:].bool()
+
+    def sequence_logprobs(self, pairs: list[tuple[str, str, str]], reference: bool = False) -> Tensor:
+        """``[2N]`` summed response log-probs (chosen rows, then rejected) under pi (with gradient) or pi_ref."""
+        logp, resp_mask = self.token_logprobs(pairs, reference)
         return torch.where(resp_mask, logp, 0.0).sum(-1)
 
     def preference_accuracy(self, pairs: Any, implicit: bool = False) -> float:
@@ -148,10 +143,10 @@ class DPOTrainer(LMTrainer):
         # Data-parallel: every rank draws the same pairs and trains on its share.
         pairs = self.dist.shard(self._next_pairs(cfg.batch_prompts))
         n = len(pairs)
-        ref = self.sequence_logprobs(pairs, reference=True)
+        ref, _ = self.token_logprobs(pairs, reference=True)
         with self._training_mode():
-            logp = self.sequence_logprobs(pairs)
-            loss, chosen, rejected = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], cfg.beta)
+            logp, resp_mask = self.token_logprobs(pairs)
+            loss, stats = get_loss("dpo")(logp, None, ref, None, resp_mask, LossSettings(beta=cfg.beta))
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()
         params = self.trainable_parameters()
@@ -169,8 +164,7 @@ class DPOTrainer(LMTrainer):
         metrics = {
             S.POLICY_LOSS: loss_v, S.GRAD_NORM: grad_v, S.SKIPPED_MINIBATCHES: float(skipped),
             S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"]),
-            S.DPO_PREF_ACCURACY: float((chosen > rejected).float().mean()),
-            S.DPO_REWARD_MARGIN: float((chosen - rejected).mean()),
-            S.DPO_CHOSEN_REWARD: float(chosen.mean()), S.DPO_REJECTED_REWARD: float(rejected.mean()),
+            S.DPO_PREF_ACCURACY: float(stats["accuracy"]), S.DPO_REWARD_MARGIN: float(stats["margin"]),
+            S.DPO_CHOSEN_REWARD: float(stats["chosen_rewards"]), S.DPO_REJECTED_REWARD: float(stats["rejected_rewards"]),
         }
         return self._finish(metrics, started, {})

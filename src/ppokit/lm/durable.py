@@ -3,9 +3,9 @@ and at the end; Ctrl-C and SIGTERM (finish the iteration, save, stop; the CLI ex
 or returns what is not a score, or a prompt the model cannot take (the last finished iteration saved, then one
 line naming it); and the run dir's claim and logging, so that a resume logs each iteration exactly once.
 
-``LMRunLifecycle`` is a part of ``base.LMTrainer`` (a mixin over its attributes), as ``trainer_lifecycle`` is of the
+``LMRunLifecycle`` is a part of ``base.LMTrainer`` (a mixin over its attributes), as ``training.lifecycle`` is of the
 Gymnasium trainer, and uses the same pieces: ``rundir.claim`` (lock, no mixing, stale temp files removed),
-``rundir.trim_to_checkpoint`` and ``trainer_lifecycle.install_sigint``.
+``rundir.trim_to_checkpoint`` and ``runtime.interrupts.install_sigint``.
 
 Nothing is written into the run dir before the first iteration's metrics row (the claim creates the directory and
 its lock only), so a run whose reward fails on the first rollout leaves a directory that a fixed rerun can use.
@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .checks import PromptError
-from .rewards import RewardError
+from ppokit.lm.checks import PromptError
+from ppokit.lm.rewards import RewardError
 
-__all__ = ["LMRunLifecycle", "RUN_FAILURES"]
+__all__ = ["CHECKPOINT", "LMRunLifecycle", "RUN_FAILURES"]
+
+CHECKPOINT = "trainer_state.pt"  # the resumable state an LM run dir holds (beside the saved model)
 
 RUN_META = "lm_run.json"
 # What ends a run after saving the last finished iteration: the user's reward or prompts, named in one line.
@@ -47,7 +49,7 @@ class LMRunLifecycle:
         self._planned = self.iteration + iterations
         if getattr(self, "_sps_origin", None) is None:  # perf/sps counts from the first iteration this object runs
             self._sps_origin = (time.perf_counter(), self.completions)
-        from ..trainer_lifecycle import install_sigint
+        from ppokit.runtime.interrupts import install_sigint
 
         self._stop_requested, self._stop_signal, self.interrupted = False, None, None
         old_sigint = install_sigint(self, sigterm=True)
@@ -77,8 +79,6 @@ class LMRunLifecycle:
     @property
     def checkpoint_path(self) -> Path | None:
         """The run dir's resumable checkpoint (written by ``save``), None without a run dir."""
-        from .base import CHECKPOINT
-
         return None if self.run_dir is None else self.run_dir / CHECKPOINT
 
     def _checkpoint(self) -> None:
@@ -103,7 +103,7 @@ class LMRunLifecycle:
                 self._saved_iteration = self.iteration
                 note = f"saved iteration {self.iteration} to {path}"
             except Exception as save_exc:  # noqa: BLE001 - the reward's failure is the one to report
-                from ..checkpoint import one_line
+                from ppokit.runtime.checkpoint import one_line
 
                 note = f"could not save iteration {self.iteration} ({one_line(save_exc)}); the previous checkpoint stays"
         if self.logger is not None:  # on record for doctor/report
@@ -125,7 +125,7 @@ class LMRunLifecycle:
         resumed one drops what was logged after its checkpoint; a killed write's temp files are removed."""
         if self.run_dir is None or not self.dist.is_main or self._claim is not None:
             return
-        from ..rundir import claim, trim_to_checkpoint
+        from ppokit.runtime.rundir import claim, trim_to_checkpoint
 
         resumed = self._resumed_at is not None
         self._claim = claim(self.run_dir, resume=resumed, overwrite=self.overwrite and not resumed)
@@ -139,7 +139,7 @@ class LMRunLifecycle:
     def _open_logger(self) -> None:
         if self.run_dir is None or self.logger is not None or not self.dist.is_main:
             return
-        from ..logger import MetricsLogger
+        from ppokit.runtime.logger import MetricsLogger
 
         self._claim_run_dir()
         cfg = self.config

@@ -23,16 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import schema as S
-from ..advantages import SPREAD_ULPS
-from ..epochs import UpdateSettings, ppo_epochs
-from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate
-from ..reductions import reduce
-from .base import LMTrainer, adamw
-from .config import ConfigError, LMConfig
-from .logprobs import kl_per_token, token_logprobs
-from .rollout import TokenBatch
-from .step import TokenStep
+from ppokit.core import schema as S
+from ppokit.core.advantages import SPREAD_ULPS
+from ppokit.core.reductions import reduce
+from ppokit.lm.base import LMTrainer, adamw
+from ppokit.lm.config import ConfigError, LMConfig
+from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.losses import get_loss, settings_for
+from ppokit.lm.rollout import TokenBatch
+from ppokit.lm.step import TokenStep
+from ppokit.update.epochs import UpdateSettings, ppo_epochs
 
 __all__ = ["GRPOTrainer", "group_advantages"]
 
@@ -86,27 +86,14 @@ class GRPOTrainer(LMTrainer):
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
                                            with_entropy=True)
-        logp_new = torch.where(mask, logp_new, mb.logp_old)  # padding: ratio 1, no gradient
-        surrogate = clipped_surrogate(logp_new, mb.logp_old, mb.advantages, cfg.clip_coef)
-        per_token = -surrogate
-        stats: dict[str, Tensor] = {}
-        if mb.logp_ref is not None and cfg.beta > 0:
-            kl_ref = torch.where(mask, kl_per_token(logp_new, mb.logp_ref, "k3"), 0.0)
-            per_token = per_token + cfg.beta * kl_ref
-            stats["kl_ref_token"] = reduce(kl_ref.detach(), mask, "token_mean")
-        loss = reduce(per_token, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
+        # The policy loss carries the beta * KL(pi_theta || pi_ref) term (``LossSettings.beta``).
+        loss, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, mb.logp_ref, mb.advantages, mask,
+                                                settings_for(cfg, beta=cfg.beta))
         if cfg.ent_coef > 0:  # at 0 the entropy stays out of the graph: the backward skips it (same gradient)
             loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
             loss = loss + cfg.ent_coef * loss_entropy
-        with torch.no_grad():
-            lp = logp_new.detach()
-            zero = torch.zeros((), device=lp.device)
-            stats.update({
-                "policy_loss": -reduce(surrogate.detach(), mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens),
-                "value_loss": zero, "entropy": reduce(entropy.detach(), mask, "token_mean"),
-                "approx_kl": approx_kl_k3(lp, mb.logp_old, mask, "token_mean"),
-                "approx_kl_k1": approx_kl_k1(lp, mb.logp_old, mask, "token_mean"),
-                "clipfrac": clip_fraction((lp - mb.logp_old).exp(), cfg.clip_coef, mask, "token_mean")})
+        stats["value_loss"] = torch.zeros((), device=logp_new.device)  # no critic
+        stats["entropy"] = reduce(entropy.detach(), mask, "token_mean")
         return loss, stats
 
     def step(self) -> dict[str, float]:

@@ -14,9 +14,8 @@ positions ``P - 1 .. P + R - 2`` (the last prompt token is always real with left
 
 from __future__ import annotations
 
-from torch import Tensor, nn
-
 import torch
+from torch import Tensor, nn
 
 __all__ = ["position_ids", "response_mask", "sequence_forward", "token_logprobs", "kl_per_token", "logprobs_of"]
 

@@ -1,6 +1,6 @@
 """PPO-RLHF (Ziegler et al. 2019; Ouyang et al. 2022): the Gymnasium trainer's PPO along a token axis.
 
-Each iteration, numbered as the lessons number PPO's loop:
+Each iteration, in the order of PPO's loop (Schulman et al. 2017, Algorithm 1):
 
 1. Rollout: ``batch_prompts`` prompts x ``group_size`` completions, sampled by pi_theta (= pi_old), with the
    log-probs under pi_old and pi_ref and the values V(prefix) of every response token (``rollout.sample``).
@@ -27,16 +27,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import schema as S
-from ..advantages import gae, normalize
-from ..epochs import UpdateSettings, ppo_epochs
-from ..objectives import approx_kl_k1, approx_kl_k3, clip_fraction, clipped_surrogate, explained_variance, value_loss
-from ..reductions import reduce
-from .base import LMTrainer, adamw, masked_stats
-from .kernels import fuse_activations
-from .logprobs import kl_per_token, position_ids, token_logprobs
-from .rollout import TokenBatch, place_scores
-from .step import TokenStep
+from ppokit.core import schema as S
+from ppokit.core.advantages import gae, normalize
+from ppokit.core.objectives import explained_variance, value_loss
+from ppokit.core.reductions import reduce
+from ppokit.lm.base import LMTrainer, adamw, masked_stats
+from ppokit.lm.kernels import fuse_activations
+from ppokit.lm.logprobs import kl_per_token, position_ids, token_logprobs
+from ppokit.lm.losses import get_loss, settings_for
+from ppokit.lm.rollout import TokenBatch, place_scores
+from ppokit.lm.step import TokenStep
+from ppokit.update.epochs import UpdateSettings, ppo_epochs
 
 __all__ = ["PPOTrainer", "ValueModel", "default_value_model", "rlhf_rewards", "token_advantages", "adaptive_kl_coef"]
 
@@ -123,7 +124,7 @@ class PPOTrainer(LMTrainer):
         cfg = self.config
         self.value_model = (value_model if value_model is not None else default_value_model(self.policy))
         self.value_model.to(self.device)
-        from .base import disable_dropout
+        from ppokit.lm.base import disable_dropout
 
         disable_dropout(self.value_model)
         if cfg.fused_activations:
@@ -167,24 +168,19 @@ class PPOTrainer(LMTrainer):
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
                                            with_entropy=True)
-        # Padding positions take pi_old's value: ratio exactly 1 there and no gradient through them (``where``).
-        logp_new = torch.where(mask, logp_new, mb.logp_old)
+        # The KL to pi_ref is in the reward (``rlhf_rewards``), so the policy loss gets no reference term.
+        loss_policy, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, None, mb.advantages, mask,
+                                                       settings_for(cfg, beta=0.0))
+        # Padding positions keep the rollout's value: no gradient through them (``where``).
         values = torch.where(mask, response_values(self.value_model, mb.input_ids, mb.attention_mask, R),
                              mb.values)
-        surrogate = clipped_surrogate(logp_new, mb.logp_old, mb.advantages, cfg.clip_coef)
-        loss_policy = -reduce(surrogate, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
         loss_value = value_loss(values, mb.returns, mb.values, cfg.cliprange_value, mask=mask, mode="token_mean")
         loss = loss_policy + cfg.vf_coef * loss_value
         if cfg.ent_coef > 0:  # at 0 the entropy stays out of the graph: the backward skips it (same gradient)
             loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
             loss = loss + cfg.ent_coef * loss_entropy
-        with torch.no_grad():
-            lp = logp_new.detach()
-            stats = {"policy_loss": loss_policy.detach(), "value_loss": loss_value.detach(),
-                     "entropy": reduce(entropy.detach(), mask, "token_mean"),
-                     "approx_kl": approx_kl_k3(lp, mb.logp_old, mask, "token_mean"),
-                     "approx_kl_k1": approx_kl_k1(lp, mb.logp_old, mask, "token_mean"),
-                     "clipfrac": clip_fraction((lp - mb.logp_old).exp(), cfg.clip_coef, mask, "token_mean")}
+        stats["value_loss"] = loss_value.detach()
+        stats["entropy"] = reduce(entropy.detach(), mask, "token_mean")
         return loss, stats
 
     def step(self) -> dict[str, float]:

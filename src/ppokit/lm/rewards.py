@@ -112,7 +112,7 @@ def _call(fn: Callable, who: str, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the user's function: anything it raises ends the run, named
-        from ..checkpoint import one_line
+        from ppokit.runtime.checkpoint import one_line
 
         raise RewardError(f"reward {who} raised {one_line(exc)}") from exc
 

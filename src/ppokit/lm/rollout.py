@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .generation import Generator, SamplingSettings
-from .logprobs import response_mask, token_logprobs
+from ppokit.lm.generation import Generator, SamplingSettings
+from ppokit.lm.logprobs import response_mask, token_logprobs
 
 __all__ = ["TokenBatch", "encode_prompts", "sample", "last_token_index", "place_scores"]
 

@@ -29,9 +29,9 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from .fast_gpt2 import gpt2_decoder
-from .generation import SamplingSettings, warn_ignored_generation_config
-from .logprobs import position_ids
+from ppokit.lm.fast_gpt2 import gpt2_decoder
+from ppokit.lm.generation import SamplingSettings, warn_ignored_generation_config
+from ppokit.lm.logprobs import position_ids
 
 __all__ = ["CachedSampler"]
 

@@ -1,6 +1,6 @@
 """The ``epochs.UpdateStep`` of the language-model trainers: autograd over token minibatches.
 
-``epochs.ppo_epochs`` drives it exactly as it drives the Gymnasium trainer's ``update.AutogradStep``, so the
+``epochs.ppo_epochs`` drives it exactly as it drives the Gymnasium trainer's ``autograd.AutogradStep``, so the
 shuffle, the minibatch split, the non-finite skip and the KL early stop (approx KL to pi_old >
 ``KL_STOP_FACTOR * target_kl``: the minibatch is not applied and the epochs end) are the same code. Rows of a
 minibatch are completions; the loss is a ``TokenLoss``: ``loss_fn(mb) -> (loss, stats)`` with ``stats`` holding
@@ -16,9 +16,9 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ..epochs import STAT_NAMES, MinibatchResult, UpdateSettings
-from ..update import AutogradGuards
-from .rollout import TokenBatch
+from ppokit.lm.rollout import TokenBatch
+from ppokit.update.autograd import AutogradGuards
+from ppokit.update.epochs import STAT_NAMES, MinibatchResult, UpdateSettings
 
 __all__ = ["TokenStep", "TokenLoss"]
 

@@ -1,0 +1,3 @@
+"""Reading a run after it trains: the doctor and its rules (Gymnasium and LM), the HTML report and multi-seed
+experiments.
+"""

@@ -1,0 +1,584 @@
+"""The PPO training loop: rollout -> GAE -> K epochs of minibatches -> discard, with diagnostics every update.
+
+``train(config)`` is the public entry point. ``Trainer`` holds the train state (policy, optimizer, normalizers,
+environments, RNG, step counters) so that it can be checkpointed and resumed; its ``run`` method reads top to
+bottom as Algorithm 1 of Schulman et al. 2017, "Proximal Policy Optimization Algorithms". The rollout itself
+(env stepping, autoreset, NaN/Inf, episode statistics, the truncation bootstrap) is ``collector.Collector``'s;
+the epochs are ``epochs.ppo_epochs``'s.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ppokit.config.ppo_config import ConfigError, PPOConfig
+from ppokit.config.resources import check_memory, layout_bytes, usable_threads
+from ppokit.core import schema as S
+from ppokit.core.advantages import gae
+from ppokit.core.algos import Algo, adapt_kl_beta, get_algo  # noqa: F401  (adapt_kl_beta: ppo-kl's rule, importable from here)
+from ppokit.core.objectives import explained_variance
+from ppokit.core.schema import PERF_PHASES
+from ppokit.core.seeding import seed_everything
+from ppokit.diagnostics.monitor import Monitor, episode_time_limit
+from ppokit.envs.encoders import obs_index, obs_map, observation_encoder
+from ppokit.envs.errors import EnvError
+from ppokit.envs.watchdog import EnvWatchdog, close_vector_env
+from ppokit.kernels.acting import ActingKernel
+from ppokit.kernels.flat_adam import FlatAdam
+from ppokit.kernels.fused_step import FusedStep
+from ppokit.kernels.mlp_backward import supports as fused_supports
+from ppokit.policies import ActorCritic, Policy, build_policy
+from ppokit.policies.build import policy_parameters
+from ppokit.rollout.collector import (
+    Collector,
+    action_masks_available,
+    evaluate_first_episodes,
+    forget_probe_reset,
+    make_eval_envs,
+    make_train_envs,
+)
+from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
+from ppokit.runtime import checkpoint as ckpt
+from ppokit.runtime import distributed
+from ppokit.runtime.interrupts import install_sigint as _install_sigint
+from ppokit.training.lifecycle import TrainerLifecycle
+from ppokit.training.state import CHECKPOINT_NAME, TrainerCheckpoint
+from ppokit.update.autograd import AutogradStep
+from ppokit.update.epochs import Batch, UpdateSettings, ppo_epochs
+
+__all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
+
+
+
+@dataclass
+class Run:
+    """The result of ``train``: where it wrote, what it measured."""
+
+    run_dir: Path
+    config: PPOConfig
+    metrics: list[dict[str, float]]
+    policy: Policy  # an ActorCritic (flat observations) or an EncoderActorCritic (image, Dict, Tuple)
+    global_step: int
+    alerts: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+    stopped_by_callback: str | None = None  # the callback whose on_update returned False (callbacks.py)
+
+    @property
+    def checkpoint(self) -> Path:
+        """Path of the run's latest checkpoint."""
+        return self.run_dir / CHECKPOINT_NAME
+
+
+def default_run_dir(config: PPOConfig) -> Path:
+    """``runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>``, unique within the second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # '/' (namespaced ids) and ':' ("module:Env", "custom:MyEnv") make no good directory names.
+    env = config.env_id.replace("/", "-").replace(":", "-")
+    base = Path("runs") / f"{env}__{config.algo}__s{config.seed}__{stamp}"
+    path, i = base, 1
+    while path.exists():
+        path, i = Path(f"{base}-{i}"), i + 1
+    return path
+
+
+class Trainer(TrainerLifecycle, TrainerCheckpoint):
+    """PPO train state plus the loop. Build with a validated config; ``run()`` trains to ``total_timesteps``."""
+
+    def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
+                 console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
+                 env: Any = None, callbacks: Any = None, rollout: Any = None, policy: Any = None):
+        from ppokit.envs import check_env_id, check_spaces, resolve_env
+        from ppokit.runtime.logger import MetricsLogger
+        from ppokit.training.callbacks import CallbackList
+
+        self.callbacks = CallbackList(callbacks)  # checked before anything is built
+        self._callback_stop: str | None = None  # the name of the callback that asked to stop
+
+        # env: None (config.env_id), a registered id, a zero-arg factory or a gymnasium.Env (see train()).
+        config, self.custom_env = resolve_env(env, config)
+        self.config = cfg = config.validate()
+        if cfg.track:
+            from ppokit.runtime.wandb_sink import require_wandb
+
+            require_wandb()  # one line naming the extra, before anything is built
+        if cfg.capture_video:
+            from ppokit.envs.video import require_video
+
+            require_video()
+        # Under torchrun: this rank's place in the job (rank 0 alone writes the run dir); else the identity.
+        self.dist = distributed.current(cfg.dist_timeout, cfg.device)
+        # Per process, so per rank: torchrun sets OMP_NUM_THREADS only when it starts several ranks per node.
+        torch.set_num_threads(usable_threads(cfg.torch_threads))  # capped at the core count, with a warning
+        self.device = torch.device(self.dist.device(cfg.device))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device", "CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
+        if cfg.vector_mode != "envpool" and self.custom_env is None:  # envpool checks its own task list
+            check_env_id(cfg.env_id)
+        seed_everything(self.dist.seed(cfg.seed))
+
+        # Environments and the policy pi_theta.
+        self.envs = make_train_envs(cfg, self.custom_env)
+        self.action_kind = check_spaces(self.envs)
+        obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
+        try:  # validate() assumed one float per observation; now the real sizes are known, before anything big
+            encoder = observation_encoder(obs_space)
+            check_memory(cfg, encoder.flat_dim, layout_bytes(encoder.layout()),  # images are stored as bytes
+                         policy_parameters(obs_space, act_space, cfg.hidden_sizes, cfg.activation))
+        except ConfigError:
+            self.envs.close()
+            raise
+        # ``policy``: a factory (observation space, action space, config) -> Policy, e.g. a registered type (the
+        # memory check above counted the default policy's parameters).
+        try:
+            self.policy = (build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation) if policy is None
+                           else policy(obs_space, act_space, cfg)).to(self.device)
+        except BaseException:
+            self.envs.close()
+            raise
+        self.obs_dim = self.policy.obs_dim
+        # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
+        # An env with action masks trains by autograd: the fused kernel (and its acting kernel) has no masks.
+        # Every reset()/step()/close() bounded by env_timeout, and by a grace period after Ctrl-C (envs.watchdog).
+        self.watchdog = EnvWatchdog(cfg.env_timeout, lambda: getattr(self, "_stop_requested", False))
+        try:  # masks sent only in info: seen at a first reset with the run's env seed (action_masks_available)
+            with self.watchdog.running():
+                self.masked = self.policy.kind != "continuous" and action_masks_available(
+                    self.envs, self.dist.env_seed(cfg.seed, cfg.num_envs), cfg.env_id, self.watchdog)
+        except BaseException:
+            close_vector_env(self.envs, self.watchdog)
+            raise
+        self.fused = cfg.fused_update and fused_supports(self.policy, cfg.algo) and not self.masked
+        if self.fused:
+            self.optimizer = FlatAdam(self.policy, lr=cfg.learning_rate, eps=1e-5)
+        else:
+            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5,
+                                              **_adam_kwargs(self.device))
+        # The update's epoch loop, ``loop(batch, settings, step, sync=...) -> stats``: an attribute so that a caller
+        # can wrap it (see what each update is given) without patching this module.
+        self.epoch_loop = ppo_epochs
+        # Normalization statistics (saved in checkpoints, frozen at evaluation).
+        # Observation normalization standardizes the float vector parts (images and one-hot codes are left alone).
+        self.obs_norm = self._obs_normalizer() if cfg.normalize_obs else None
+        self.reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma, device=self.device) if cfg.normalize_reward else None
+
+        # Counters (the per-env episode bookkeeping is the collector's).
+        self.global_step = 0
+        self.update_idx = 0
+        self.kl_beta = cfg.init_kl_beta
+        self.monitor = Monitor(action_kind=self.action_kind, action_dim=self.policy.action_dims[0],
+                               time_limit=episode_time_limit(cfg.env_id, cfg.env_kwargs),
+                               monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
+        self.perf = dict.fromkeys(PERF_PHASES, 0.0)
+        # Acting (rollouts, the evaluation gate): the acting kernel where the fused update applies (the same
+        # network on cached weights, the same random draws), else the eager policy.
+        self.acting = ActingKernel(self.policy, self.optimizer) if self.fused else None
+        # The rollout: env stepping, both autoreset modes, NaN/Inf, episode statistics, truncation bootstrap;
+        # it fills its buffer (``[T, N, ...]`` tensors on the device) with pi_old's steps.
+        # ``rollout``: another rollout backend (``rollout.source.RolloutSource``), built with Collector's arguments.
+        self.collector = (rollout or Collector)(self.envs, self.policy, self.acting or self.policy,
+                                                num_steps=cfg.num_steps, device=self.device, env_id=cfg.env_id,
+                                                obs_norm=self.obs_norm, reward_scaler=self.reward_scaler,
+                                                perf=self.perf, fail=self._rollout_failed)
+        self.buffer, self.same_step = self.collector.buffer, self.collector.same_step
+        self._stop_requested = False
+        self.collector.watchdog = self.watchdog
+        self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
+        self._eval_envs = None
+
+        # The run dir is claimed before anything is written to it: locked against a second process, refused if
+        # it holds another run (unless overwrite), cleared of a killed checkpoint write's temp files.
+        from ppokit.runtime import rundir
+
+        self.run_dir = Path(run_dir or cfg.run_dir or default_run_dir(cfg))
+        if not self.dist.is_main:
+            self.run_dir, console_enabled = self.dist.scratch_dir(), False
+        try:
+            self._claim = rundir.claim(self.run_dir, resume=resume_state is not None and self.dist.is_main,
+                                       overwrite=overwrite)
+        except BaseException:
+            self.envs.close()
+            raise
+        notes = list(self._claim.notes)
+        try:
+            cfg.save_toml(self.run_dir / "config.toml")
+            if cfg.unsafe:
+                (self.run_dir / "UNSAFE").write_text(
+                    "This run was started with --unsafe; it breaks these guard rails:\n"
+                    + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
+
+            if cfg.capture_video and self.dist.is_main:
+                from ppokit.envs.video import VIDEO_DIR, record_env0
+
+                # Env 0 records into RUN_DIR/videos (before the first reset, so episode 0 is the first one).
+                forget_probe_reset(self.envs)  # env 0 is rebuilt: the collector resets the envs itself
+                record_env0(self.envs, cfg.env_id, cfg.env_kwargs, self.run_dir / VIDEO_DIR, cfg.video_every,
+                            int(resume_state["global_step"]) if resume_state is not None else 0,
+                            custom=self.custom_env is not None)
+            env_seed = self.dist.env_seed(cfg.seed, cfg.num_envs)  # cfg.seed in one process
+            with self.watchdog.running():
+                self.collector.reset(env_seed)
+            self.envs.action_space.seed(env_seed)
+            if resume_state is not None:
+                self._load_state(self.dist.resume_state(resume_state))
+                self.dist.reseed_after_resume(cfg.seed, self.update_idx)
+                # What the killed run logged after its checkpoint is logged again from here: drop the old copy.
+                notes += rundir.trim_to_checkpoint(self.run_dir, self.update_idx, self.global_step)
+            # Where the run ends: config.num_updates in one process; total_timesteps counts every rank's steps.
+            self.num_updates, self.end_step = self.dist.schedule(cfg.total_timesteps, cfg.batch_size,
+                                                                 self.update_idx, self.global_step)
+            rundir.update_latest_link(self.run_dir)
+            # The bar's end is the last update's step, which total_timesteps need not be a multiple of.
+            self.logger = MetricsLogger(self.run_dir, self.end_step, log_every=cfg.log_every,
+                                        tensorboard=cfg.tensorboard and self.dist.is_main, console=console_enabled,
+                                        console_obj=console,
+                                        hparams=cfg.to_dict() if resume_state is None else None,
+                                        resume_step=self.global_step if resume_state is not None else None,
+                                        sinks=self._tracking_sinks())
+        except BaseException:
+            self._claim.release()
+            self._close_envs()  # an env hung in reset() is not waited on
+            raise
+        # A trainer dropped without run() (built only to inspect its state) must not leave its lock behind.
+        import weakref
+
+        weakref.finalize(self, self._claim.release)
+        self._interrupt_noted = False
+        self.notes = notes
+        if notes:
+            from rich.text import Text  # plain text: paths may hold [brackets] that markup would eat
+
+            for note in notes:
+                self.logger.console.print(Text(f"note: {note}"))
+        self.metrics: list[dict[str, float]] = []
+        # Every rank starts from rank 0's weights and merges the normalizers' statistics (no-op in one process).
+        self.dist.prepare(self.policy, self.acting, [self.obs_norm, self.reward_scaler])
+        if cfg.unsafe:
+            self.logger.alert(self.global_step, "warn", "unsafe_run",
+                              "run started with --unsafe: " + "; ".join(r for _, r in cfg.guard_rail_violations()))
+
+    # ================================================================== the loop
+    def run(self) -> Run:
+        """Train until ``total_timesteps`` (or Ctrl-C, which finishes the update, saves and returns)."""
+        from ppokit.runtime.logger import SinkError
+
+        cfg = self.config
+        old_handler = _install_sigint(self)
+        self.watchdog.start()  # stopped once the envs are closed (_finish, _abandon)
+        start_time = time.perf_counter()
+        start_step = self.global_step
+        saved_update = self.update_idx  # the update the run dir's checkpoint holds (none yet counts as current)
+        try:
+            while (self.update_idx < self.num_updates and not self._stop_requested and not self._solved
+                   and self._callback_stop is None):
+                # By steps: the same fraction as update / num_updates, and continuous when a resume changes the
+                # number of ranks (global_step counts every rank's steps).
+                frac = 1.0 - self.global_step / self.end_step
+                lr = cfg.learning_rate * frac if cfg.anneal_lr else cfg.learning_rate
+                clip_coef = cfg.clip_coef * frac if cfg.anneal_clip else cfg.clip_coef
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+
+                # 1. Collect rollout with pi_old (logp_old frozen into the buffer)
+                episodes, nonfinite_env = self.collect_rollout()
+
+                # 2. Advantages (GAE), bootstrapping time-limit truncations
+                t0 = time.perf_counter()
+                batch, advantages, returns = self.compute_advantages()
+                self.perf["advantages"] += time.perf_counter() - t0
+
+                # 3. K epochs of minibatch updates
+                t0 = time.perf_counter()
+                step = FusedStep(self.policy, self.optimizer) if self.fused else AutogradStep(self.policy, self.optimizer)
+                settings = self.dist.agree_minibatches(self.update_settings(clip_coef), len(batch))
+                stats = self.epoch_loop(batch, settings, step, sync=self.dist.sync)  # sync: None in one process
+                kl_after = self.dist.mean(self.batch_kl(batch))  # how far this update moved pi_theta from pi_old
+                if self.algo.after_update is not None:  # ppo-kl: the adaptive penalty's beta rule
+                    self.kl_beta = self.algo.after_update(self.kl_beta, kl_after, cfg)
+                self.perf["update"] += time.perf_counter() - t0
+                self.update_idx += 1
+                self.dist.after_update(self.policy, self.update_idx)
+
+                # 4. Log
+                t0 = time.perf_counter()
+                metrics = self._metrics(stats, episodes, nonfinite_env, batch, advantages, lr, clip_coef,
+                                        start_step, start_time, kl_after)
+                if cfg.eval_every:
+                    # Evaluation gate: a cheap deterministic evaluation that ends the run once it is solved.
+                    metrics[S.EVAL_RETURN] = float("nan")
+                    if self.update_idx % cfg.eval_every == 0:
+                        metrics[S.EVAL_RETURN] = self.dist.from_main(self.evaluate_gate)
+                        self._solved = metrics[S.EVAL_RETURN] >= cfg.eval_threshold
+                self.metrics.append(metrics)
+                self.logger.log(self.global_step, metrics)
+                for alert in self.monitor.check(self.update_idx, metrics):
+                    self.logger.alert(self.global_step, alert.level, alert.name, alert.message, alert.data)
+                if self.callbacks:
+                    self._run_update_callbacks(metrics)
+
+                # 5. Checkpoint. The row above is written first; a run killed before this save logs the update
+                # again when resumed, and the resume drops the old row (rundir.trim_to_checkpoint).
+                # Read once: a Ctrl-C landing after this is handled below. Every rank stops when one is asked to.
+                stopping = self._stop_requested = self.dist.any(self._stop_requested)
+                if stopping:
+                    self._note_interrupt()
+                if self.dist.is_main and (stopping or self.update_idx % cfg.save_every == 0
+                                          or self.update_idx == self.num_updates or self._solved
+                                          or self._callback_stop is not None):
+                    self.save()
+                    saved_update = self.update_idx
+                self.perf["logging"] += time.perf_counter() - t0
+            if self._stop_requested:
+                self._note_interrupt()
+                if saved_update != self.update_idx and self.dist.is_main:
+                    self.save()
+        except SinkError as exc:
+            # TensorBoard could not write (a full disk): this update's learner state is whole, save it first.
+            error = self._sink_failed(exc)
+            self._abandon()
+            raise error from None
+        except BaseException:
+            # A crash or a second Ctrl-C: the last checkpoint stands (writes are atomic); free the run dir.
+            self._abandon()
+            raise
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+            if getattr(self, "_old_sigterm", None) is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+        wall = time.perf_counter() - start_time
+        self._finish(wall, start_step)
+        return Run(self.run_dir, cfg, self.metrics, self.policy, self.global_step,
+                   list(self.logger.alerts), self._stop_requested, self._callback_stop)
+
+    def _tracking_sinks(self) -> list:
+        """The metric sinks beyond CSV/TensorBoard/console: W&B under ``track`` (rank 0 only)."""
+        cfg = self.config
+        if not (cfg.track and self.dist.is_main):
+            return []
+        from ppokit.runtime.wandb_sink import WandbSink
+
+        return [WandbSink(self.run_dir, cfg.to_dict(), cfg.wandb_project, cfg.wandb_entity)]
+
+    def _run_update_callbacks(self, metrics: dict[str, float]) -> None:
+        """Every callback's ``on_update``; one returning False ends the run after this update (callbacks.py)."""
+        from ppokit.training.callbacks import UpdateInfo
+
+        name = self.callbacks.on_update(UpdateInfo(self.update_idx, self.global_step, metrics, self.run_dir, self))
+        if self.dist.any(name is not None) and self._callback_stop is None:  # every rank stops together
+            self._callback_stop = name or "a callback on another rank"
+            self.logger.alert(self.global_step, "info", "stopped_by_callback",
+                              f"callback {self._callback_stop} returned False after update {self.update_idx}; "
+                              "saving a checkpoint and ending the run")
+
+    # ================================================================== 1. rollout
+    def collect_rollout(self) -> tuple[list[tuple[float, int]], int]:
+        """Fill the buffer with ``num_steps`` steps of every env (``collector.Collector``); returns (finished
+        episodes, non-finite steps)."""
+        episodes, nonfinite = self.collector.collect(self.global_step)
+        self.global_step += self.config.num_steps * self.config.num_envs * self.dist.world_size
+        return episodes, nonfinite
+
+    @property
+    def next_obs_raw(self) -> np.ndarray:
+        """The raw observation the next rollout starts from (the collector's)."""
+        return self.collector.next_obs_raw
+
+    def evaluate_gate(self) -> float:
+        """Mean return of one deterministic episode in each of ``eval_episodes`` envs of a separate vector env."""
+        cfg = self.config
+        if self._eval_envs is None:
+            self._eval_envs, self._eval_max_steps = make_eval_envs(cfg, self.custom_env)
+        actor = self.acting.actor_head if self.fused else self.policy.actor  # no critic, no log-prob
+
+        def failed(phase: str, exc: BaseException) -> EnvError:
+            # The update just made is not saved yet (step 5 of the loop comes after the gate).
+            return self._env_failed(phase, self.global_step, exc, unsaved=True, envs=self._eval_envs)
+
+        return evaluate_first_episodes(self._eval_envs, self.policy, actor, self.collector.normalize,
+                                       seed=cfg.seed + 7919 * (self.update_idx + 1), max_steps=self._eval_max_steps,
+                                       env_id=cfg.env_id, global_step=self.global_step,
+                                       action_bounds=self.collector.action_bounds, fail=failed,
+                                       watchdog=self.watchdog)
+
+    # ================================================================== 2. advantages
+    def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+        """GAE over the rollout, flattened to the batch of valid steps."""
+        cfg, buf = self.config, self.buffer
+        with torch.inference_mode():
+            last_values = self.policy.value(self.collector.last_obs)
+        next_values = buf.next_values(last_values)
+        advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,
+                                  cfg.gamma, cfg.gae_lambda)
+        B = cfg.batch_size
+        # [T, N, ...] -> [B, ...] (every part of a Dict observation; a flat one: [B, obs_dim])
+        flat = dict(obs=obs_map(lambda x: x.reshape(B, *x.shape[2:]), buf.obs),
+                    actions=buf.actions.reshape(B, *buf.actions.shape[2:]),
+                    logp_old=buf.logp.reshape(B), values_old=buf.values.reshape(B),
+                    advantages=advantages.reshape(B), returns=returns.reshape(B))
+        if buf.masks is not None:
+            flat["action_mask"] = buf.masks.reshape(B, buf.masks.shape[-1])
+        valid = buf.valid.reshape(B)
+        if not bool(valid.all()):
+            keep = valid.nonzero().squeeze(-1)
+            flat = {k: obs_index(v, keep) for k, v in flat.items()}
+        return Batch(**flat), advantages, returns
+
+    def _obs_normalizer(self) -> Any:
+        """The observation normalizer for this env's observations; ConfigError when none of it is a float vector."""
+        space = self.envs.single_observation_space
+        encoder = observation_encoder(space)
+        if not encoder.normalizable:
+            self.envs.close()  # the run ends before it starts
+            raise ConfigError("normalize_obs", f"observation normalization applies to float vector observations; "
+                              f"{space} is {encoder.what}: set normalize_obs = false")
+        return make_obs_normalizer(encoder, self.device)
+
+    def update_settings(self, clip_coef: float) -> UpdateSettings:
+        """This update's settings, with the algo's schedule overrides (a2c: one gradient step on the whole batch)."""
+        cfg, algo = self.config, self.algo
+        return UpdateSettings(algo=cfg.algo, update_epochs=algo.update_epochs or cfg.update_epochs,
+                              num_minibatches=algo.num_minibatches or cfg.num_minibatches, clip_coef=clip_coef,
+                              clip_vloss=cfg.clip_vloss, norm_adv=cfg.norm_adv, ent_coef=cfg.ent_coef,
+                              vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
+                              target_kl=cfg.target_kl if algo.kl_stop else None, kl_beta=self.kl_beta)
+
+    @property
+    def algo(self) -> Algo:
+        """The registered variant this run trains (``algos.ALGOS[config.algo]``)."""
+        return get_algo(self.config.algo)
+
+    def batch_kl(self, batch: Batch) -> float:
+        """k3 approx KL(pi_old || pi_theta) on the whole batch after the update (``diag/approx_kl_after``; one
+        forward pass without autograd, once per update)."""
+        from ppokit.core.objectives import approx_kl_k3
+
+        policy = self.policy
+        with torch.inference_mode():
+            if getattr(type(policy), "evaluate", None) is ActorCritic.evaluate:
+                # ActorCritic.evaluate's log-probabilities without its critic pass, which the KL does not need.
+                logp_new, _ = policy.log_prob_entropy(policy.masked_head(batch.obs, batch.action_mask),
+                                                      batch.actions)
+            else:
+                logp_new, _, _ = policy.evaluate(batch.obs, batch.actions, action_mask=batch.action_mask)
+            return float(approx_kl_k3(logp_new, batch.logp_old))
+
+    # ================================================================== 4. metrics
+    def _metrics(self, stats: dict[str, float], episodes: list[tuple[float, int]], nonfinite_env: int,
+                 batch: Batch, advantages: torch.Tensor, lr: float, clip_coef: float, start_step: int,
+                 start_time: float, kl_after: float) -> dict[str, float]:
+        nan = float("nan")
+        elapsed = max(time.perf_counter() - start_time, 1e-9)
+        ev = float(explained_variance(batch.values_old, batch.returns)) if len(batch) > 1 else nan
+        rewards = self.buffer.rewards[self.buffer.valid]
+        m = {
+            S.UPDATE: float(self.update_idx),
+            S.EPISODIC_RETURN: float(np.mean([e[0] for e in episodes])) if episodes else nan,
+            S.EPISODIC_LENGTH: float(np.mean([e[1] for e in episodes])) if episodes else nan,
+            S.EPISODES: float(len(episodes)),
+            S.LEARNING_RATE: lr,
+            S.CLIP_COEF: clip_coef,
+            S.KL_BETA: self.kl_beta,
+            S.POLICY_LOSS: stats["policy_loss"],
+            S.VALUE_LOSS: stats["value_loss"],
+            S.ENTROPY_LOSS: -stats["entropy"],
+            S.ENTROPY: stats["entropy"],
+            S.APPROX_KL: stats["approx_kl"],
+            S.APPROX_KL_K1: stats["approx_kl_k1"],
+            # diag/approx_kl is measured on each minibatch's forward pass, before its step (0 for a2c's only
+            # step); this one is the whole update's move: k3 of pi_theta after it vs pi_old, on the whole batch.
+            S.APPROX_KL_AFTER: kl_after,
+            S.CLIPFRAC: stats["clipfrac"],
+            S.EXPLAINED_VARIANCE: ev,
+            S.GRAD_NORM: stats["grad_norm"],
+            S.EPOCHS_RUN: stats["epochs_run"],
+            S.EARLY_STOPPED: stats["early_stopped"],
+            S.MINIBATCHES: stats["minibatches"],
+            S.SKIPPED_MINIBATCHES: stats["skipped_minibatches"],
+            S.NONFINITE_ENV: float(nonfinite_env),
+            S.ADVANTAGES_NONFINITE: float((~torch.isfinite(advantages)).sum()),
+            S.REWARD_STD: float(rewards.std()) if rewards.numel() > 1 else nan,
+            S.ADVANTAGE_STD: float(batch.advantages.std()) if len(batch) > 1 else nan,
+            S.SPS: (self.global_step - start_step) / elapsed,
+        }
+        # Data-parallel: the episode and batch diagnostics over every rank's data ({} in one process).
+        m.update(self.dist.diagnostics(episodes, batch.values_old, batch.returns, rewards, batch.advantages,
+                                       nonfinite_env, m[S.ADVANTAGES_NONFINITE]))
+        total = sum(self.perf.values()) or 1.0
+        for phase in PERF_PHASES:
+            m[S.perf_time(phase)] = self.perf[phase]
+            m[S.perf_frac(phase)] = self.perf[phase] / total
+        return m
+
+
+def _adam_kwargs(device: torch.device) -> dict:
+    # fused Adam runs the whole step as one kernel per dtype/device; it exists for CPU in torch >= 2.4.
+    try:
+        torch.optim.Adam([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+        return {"fused": True}
+    except (RuntimeError, TypeError, ValueError):
+        return {"foreach": True}
+
+
+def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: Any = None,
+          console_enabled: bool = True, overwrite: bool = False, env: Any = None, callbacks: Any = None,
+          rollout: Any = None, policy: Any = None, **overrides: Any) -> Run:
+    """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
+
+    ``config`` may be an env id: ``train("CartPole-v1")`` trains ``PPOConfig.for_env("CartPole-v1")``, the
+    planner's tuned config that ``ppokit train --env CartPole-v1`` trains. ``overrides`` are config fields set
+    over either (``train("CartPole-v1", total_timesteps=20_000)``).
+
+    ``env`` (default: ``config.env_id``) is a registered id, a zero-argument factory returning a ``gymnasium.Env``
+    (called once per env; ``vector_mode`` sync or async), or one ``gymnasium.Env`` instance, wrappers included
+    (``num_envs = 1``, sync, no evaluation gate: an env is never copied). The run records a custom env's spec id,
+    or ``"custom:<class>"``, as its env_id; ``resume`` and ``load`` need the same env passed again. ppokit closes
+    the envs at the end of the run.
+
+    A run dir that already holds a run is refused (``rundir.RunDirError``) unless ``overwrite=True``, which first
+    removes the old run's files; continue a run with ``resume`` instead.
+
+    ``callbacks``: objects with ``on_update(info)`` (returning False stops the run after that update, with a
+    checkpoint) and/or ``on_checkpoint(path)``, or plain functions taken as ``on_update`` (see ``callbacks``).
+
+    ``rollout``: a rollout backend instead of ``collector.Collector`` (a callable taking Collector's arguments and
+    returning a ``rollout.source.RolloutSource``), e.g. remote rollout workers; the learner is unchanged.
+
+    ``policy``: a factory ``(observation_space, action_space, config) -> Policy`` instead of
+    ``policies.build_policy`` (e.g. a type registered with ``register_policy``, so ``load`` rebuilds it).
+    """
+    if isinstance(config, str):
+        config = PPOConfig.for_env(config, **overrides)
+    elif overrides:
+        config = PPOConfig.from_dict(overrides, config)
+    return Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled,
+                   overwrite=overwrite, env=env, callbacks=callbacks, rollout=rollout, policy=policy).run()
+
+
+def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
+           console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = (), env: Any = None,
+           callbacks: Any = None, rollout: Any = None, policy: Any = None) -> Run:
+    """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
+
+    A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
+    checkpoint alone never decides what code is imported. A run trained on a custom env (``train(env=factory)``)
+    needs that env again as ``env``; ``env`` may also replace a stored id. A damaged, diverged or mismatched
+    checkpoint raises ``CheckpointError``. ``callbacks``, ``rollout`` and ``policy`` as for ``train``.
+    """
+    from ppokit.training.agent import stored_config
+
+    run_dir = Path(run_dir)
+    path = run_dir / CHECKPOINT_NAME
+    state = ckpt.load_checkpoint(path, require_finite=ckpt.LEARNER_KEYS, require_bounded=ckpt.BOUNDED_KEYS)
+    config = stored_config(state, path, allow_import, env=env)
+    if total_timesteps is not None:
+        config.total_timesteps = total_timesteps
+    trainer = Trainer(config, run_dir=run_dir, console=console, console_enabled=console_enabled, resume_state=state,
+                      env=env, callbacks=callbacks, rollout=rollout, policy=policy)
+    return trainer.run()

@@ -1,0 +1,3 @@
+"""One PPO update: the K-epoch minibatch loop and the eager-autograd minibatch step (the reference for every
+fast path).
+"""
