@@ -120,6 +120,7 @@ def test_workers_die_when_the_trainer_is_killed_with_sigkill(tmp_path):
         proc.wait(timeout=60)
         # PR_SET_PDEATHSIG: the kernel kills each worker when the trainer dies, hung or not.
         wait_for(lambda: not any(alive(pid) for pid in workers), 30, f"workers {workers} exit")
+        assert workers and not any(alive(pid) for pid in workers)
     finally:
         stop(proc, workers)
 
