@@ -98,3 +98,28 @@ def pytest_make_collect_report(collector):
                   f"into failures: {_skip_reason(report.longrepr)}")
         item = _SkippedModule.from_parent(collector, name="module_skipped", reason=reason)
         outcome.force_result(pytest.CollectReport(collector.nodeid, "passed", None, [item]))
+
+
+@pytest.fixture
+def counted_gridworld():
+    """``(env_id, made)``: a registered GridWorld whose constructions append their kwargs to ``made``, so a test
+    can see whether (and how often) a command built an environment; unregistered afterwards."""
+    import gymnasium as gym
+
+    from ppokit.envs import GridWorldEnv
+
+    made: list[dict] = []
+
+    class CountedGrid(GridWorldEnv):
+        def __init__(self, **kw):
+            made.append(kw)
+            super().__init__(**kw)
+
+    env_id = "ppokit_test/CountedGrid-v0"
+    gym.register(env_id, entry_point=CountedGrid, max_episode_steps=50)
+    try:
+        gym.make(env_id).close()  # control: building this env is seen
+        assert len(made) == 1
+        yield env_id, made
+    finally:
+        gym.registry.pop(env_id, None)

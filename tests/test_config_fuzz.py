@@ -311,28 +311,12 @@ def test_unknown_env_gets_the_planners_rules_and_a_preset_or_file_is_not_replace
     assert cfg == preset and "planner" not in capsys.readouterr().err
 
 
-def test_bad_flag_with_a_bare_env_is_refused_before_the_env_is_probed(tmp_path, capsys):
-    import gymnasium as gym
-
-    from ppokit.envs import GridWorldEnv
-
-    made = []
-
-    class CountedGrid(GridWorldEnv):
-        def __init__(self, **kw):
-            made.append(kw)
-            super().__init__(**kw)
-
-    env_id = "ppokit_test/CountedGrid-v0"
-    gym.register(env_id, entry_point=CountedGrid, max_episode_steps=50)
-    try:
-        gym.make(env_id).close()  # control: building this env is seen
-        assert main(["train", "--env", env_id, "--num-envs", "1e999", "--run-dir", str(tmp_path / "run")]) == 2
-        assert "'num_envs'" in capsys.readouterr().err
-        assert len(made) == 1, "the planner probed the env of a refused command line"
-        assert not (tmp_path / "run").exists()
-    finally:
-        gym.registry.pop(env_id, None)
+def test_bad_flag_with_a_bare_env_is_refused_before_the_env_is_probed(tmp_path, capsys, counted_gridworld):
+    env_id, made = counted_gridworld
+    assert main(["train", "--env", env_id, "--num-envs", "1e999", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "'num_envs'" in capsys.readouterr().err
+    assert len(made) == 1, "the planner probed the env of a refused command line"
+    assert not (tmp_path / "run").exists()
 
 
 def test_fewer_steps_than_one_batch_is_said(tmp_path, capsys):

@@ -408,27 +408,15 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error_and_nothing_is_overwritt
         ({"target_kl": -0.1}, "target_kl", "> 0"),
     ],
 )
-def test_invalid_config_names_the_field_before_any_env_is_created(tmp_path, overrides, field, fragment):
-    made = []
-
-    class CountedGrid(GridWorldEnv):
-        def __init__(self, **kw):
-            made.append(kw)
-            super().__init__(**kw)
-
-    env_id = "ppokit_test/CountedGrid-v0"
-    gym.register(env_id, entry_point=CountedGrid, max_episode_steps=50)
-    try:
-        gym.make(env_id).close()  # control: building this env is seen
-        assert len(made) == 1
-        cfg = PPOConfig.from_dict({"env_id": env_id, **overrides}, small_gridworld(tmp_path))
-        with pytest.raises(ConfigError) as err:
-            train(cfg, console_enabled=False)
-        assert err.value.field == field
-        assert field in str(err.value) and fragment in str(err.value)
-        assert len(made) == 1, "an environment was created for an invalid config"
-    finally:
-        gym.registry.pop(env_id, None)
+def test_invalid_config_names_the_field_before_any_env_is_created(tmp_path, overrides, field, fragment,
+                                                                  counted_gridworld):
+    env_id, made = counted_gridworld
+    cfg = PPOConfig.from_dict({"env_id": env_id, **overrides}, small_gridworld(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        train(cfg, console_enabled=False)
+    assert err.value.field == field
+    assert field in str(err.value) and fragment in str(err.value)
+    assert len(made) == 1, "an environment was created for an invalid config"
 
 
 def test_unknown_env_id_suggests_the_closest_registered_ids(tmp_path):
