@@ -6,13 +6,10 @@ trains through the trainer by registering it alone, and no string comparison of 
 from __future__ import annotations
 
 import dataclasses
-import re
-from pathlib import Path
 
 import pytest
 import torch
 
-import ppokit.core.algos as algos_mod
 from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
 from ppokit.core.algos import ALGOS, TERM_NAMES, Algo, describe_algos, get_algo, loss_terms, register
 from ppokit.kernels.mlp_backward import supports, unsupported_reason
@@ -20,8 +17,6 @@ from ppokit.policies import ActorCritic
 from ppokit.training.trainer import Trainer, train
 from ppokit.update.epochs import UpdateSettings
 from test_variants import _tiny_config as _variants_tiny_config  # the gridworld preset cut to a few updates
-
-SRC = Path(__file__).resolve().parents[1] / "src" / "ppokit"
 
 
 def _settings(algo: str, **kw) -> UpdateSettings:
@@ -227,34 +222,11 @@ def test_a_registered_algo_trains_through_the_trainer(tmp_path, monkeypatch):
     assert all(m["losses/value_loss"] > 0 for m in run.metrics)
 
 
-# ---------------------------------------------------------------------------- branching lives in one place
-_STRING_COMPARE = [
-    re.compile(r"""\balgo\w*\s*(==|!=)\s*[rbuf]?["']"""),            # algo == "ppo"
-    re.compile(r"""["'][\w-]*["']\s*(==|!=)\s*[\w.]*\balgo\w*\b"""),  # "ppo" == cfg.algo
-    re.compile(r"""\balgo\w*\s+(not\s+)?in\s+[(\[{]\s*["']"""),     # algo in ("ppo", "a2c")
-]
-
-
-def test_no_module_outside_the_registry_compares_algo_to_a_string():
-    offenders = []
-    for path in sorted(SRC.rglob("*.py")):
-        if path.name == "algos.py":
-            continue
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if any(p.search(line) for p in _STRING_COMPARE):
-                offenders.append(f"{path.relative_to(SRC)}:{n}: {line.strip()}")
-    assert offenders == [], "branch on algos.ALGOS fields instead:\n" + "\n".join(offenders)
-
-
-def test_the_grep_catches_the_forms_it_names():
-    for line in ('if s.algo == "ppo":', "if cfg.algo != 'a2c':", 'x = "ppo-kl" == r.algo',
-                 'if algo in ("ppo", "a2c"):'):
-        assert any(p.search(line) for p in _STRING_COMPARE), line
-    assert not any(p.search('unsupported_reason(policy, "ppo")') for p in _STRING_COMPARE)
-
-
 def test_algos_imports_without_torch():
     """``PPOConfig`` validates against the registry, and the CLI's start-up stays free of torch."""
-    src = Path(algos_mod.__file__).read_text()
-    top = [ln for ln in src.splitlines() if re.match(r"(import|from)\s", ln)]
-    assert not any("torch" in ln or "objectives" in ln or "reductions" in ln for ln in top), top
+    import subprocess
+    import sys
+
+    code = "import sys, ppokit.core.algos, ppokit.config.ppo_config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -8,6 +8,7 @@ The table runs through ``ppokit.cli.main`` in-process (fast); a representative s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -258,37 +259,27 @@ def test_resume_refuses_every_other_flag_and_says_which_it_accepts(argv, field, 
 
 
 # ------------------------------------------------------------------ a bare --env gets the planner's config
-@pytest.fixture
-def fake_train(monkeypatch):
-    seen = []
-
-    class Done:
-        run_dir, interrupted = "r", False
-
-    def train(config, **kw):
-        seen.append(config)
-        return Done()
-
-    monkeypatch.setattr("ppokit.training.trainer.train", train)
-    return seen
-
-
 def _trained(argv, run_dir) -> PPOConfig:
     """Train for real with ``argv`` into ``run_dir``; the config the run saved (config.toml)."""
     assert main([*argv, "--run-dir", str(run_dir), "--no-tensorboard"]) == 0
     return PPOConfig.from_toml(run_dir / "config.toml")
 
 
-def test_bare_env_trains_the_planners_config_and_says_so(fake_train, capsys):
-    from ppokit.config.planner import make_plan
+def test_bare_env_trains_the_planners_config_and_says_so(tmp_path, capsys):
+    from ppokit.config.planner import make_plan, planned_config
 
-    assert main(["train", "--env", "CartPole-v1"]) == 0
+    # What a bare --env resolves to: the planner's plan at the preset's budget (100k for CartPole).
+    planned, source = planned_config({"env_id": "CartPole-v1"})
+    assert planned == make_plan("CartPole-v1", load_preset("cartpole").total_timesteps, probe=False).config
+    assert "planner settings for CartPole-v1" in source
+    # The tuned values (gamma 0.98, lambda 0.8, lr 1e-3), not the library defaults (0.99, 0.95, 2.5e-4) ...
+    assert (planned.gamma, planned.gae_lambda, planned.learning_rate) == (0.98, 0.8, 1e-3)
+    # ... and the CLI trains them and says so (a short run: the plan at a 512-step budget).
+    saved = _trained(["train", "--env", "CartPole-v1", "--total-timesteps", "512"], tmp_path / "run")
     err = " ".join(capsys.readouterr().err.split())
     assert "config: planner settings for CartPole-v1" in err and "ppokit plan" in err
-    planned = make_plan("CartPole-v1", load_preset("cartpole").total_timesteps, probe=False).config
-    assert fake_train[0] == planned
-    # The tuned values (gamma 0.98, lambda 0.8, lr 1e-3), not the library defaults (0.99, 0.95, 2.5e-4).
-    assert (fake_train[0].gamma, fake_train[0].gae_lambda, fake_train[0].learning_rate) == (0.98, 0.8, 1e-3)
+    short = planned_config({"env_id": "CartPole-v1", "total_timesteps": 512})[0]
+    assert saved == dataclasses.replace(short, run_dir=str(tmp_path / "run"), tensorboard=False)
 
 
 def test_flags_override_the_planned_config(tmp_path, capsys):
@@ -420,14 +411,13 @@ def test_sweep_refuses_an_absurd_number_of_runs_before_building_the_grid(tmp_pat
     assert "'seeds'" in err and "10,002 runs" in err and not out.exists()
 
 
-def test_an_envpool_task_the_planner_cannot_probe_keeps_the_library_defaults(fake_train, capsys, monkeypatch):
-    def no_probe(*a, **kw):
-        raise AssertionError("probed")
+def test_an_envpool_task_the_planner_cannot_probe_keeps_the_library_defaults():
+    from ppokit.config.planner import planned_config
 
-    monkeypatch.setattr("ppokit.config.planner.probe_env", no_probe)
-    assert main(["train", "--env", "Pong-v5", "--vector-mode", "envpool", "--num-envs", "8"]) == 0
-    assert fake_train[0] == PPOConfig(env_id="Pong-v5", vector_mode="envpool", num_envs=8)
-    assert "library defaults for Pong-v5" in " ".join(capsys.readouterr().err.split())
+    # "Pong-v5" is no Gymnasium id: a probe would raise, so returning at all shows that none was made.
+    config, source = planned_config({"env_id": "Pong-v5", "vector_mode": "envpool", "num_envs": "8"})
+    assert config == PPOConfig(env_id="Pong-v5", vector_mode="envpool", num_envs=8)
+    assert "library defaults for Pong-v5" in source
 
 
 def test_an_image_observation_is_counted_in_bytes_not_floats():

@@ -1,30 +1,11 @@
 """The metric schema is the single source of metric names and thresholds: the trainer logs exactly its names, the
-thresholds are the standard PPO debugging bands, and no other module types a metric name the schema does not define."""
+thresholds are the standard PPO debugging bands. That no other module types a metric name or a threshold is a lint
+rule (``tools/lint_rules.py``, PPK001-PPK003), run by CI."""
 
 from __future__ import annotations
 
-import ast
-import math
-from pathlib import Path
-
-import pytest
-
 from ppokit.core import schema as S
 from ppokit.core.schema import METRICS, THRESHOLDS
-
-SRC = Path(S.__file__).resolve().parents[1]  # the ppokit package
-PREFIXES = ("charts/", "losses/", "diag/", "perf/")
-# Modules whose metric names and thresholds all come from the schema (no literal at all).
-FROM_SCHEMA_ONLY = ("diagnostics/monitor.py", "analysis/doctor.py", "diagnostics/plots.py", "analysis/report.py",
-                    "analysis/experiments.py", "config/planner.py")
-
-
-def _metric_literals(path: Path) -> list[tuple[int, str]]:
-    """String constants of ``path`` that look like a metric name (``diag/...`` etc.)."""
-    tree = ast.parse(path.read_text())
-    return [(node.lineno, node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(PREFIXES)
-            and " " not in node.value]
 
 
 def test_every_logged_metric_is_in_the_schema(tmp_path):
@@ -72,27 +53,3 @@ def test_a_changed_threshold_reaches_the_diagnostics_plan(monkeypatch):
     monkeypatch.setitem(THRESHOLDS, "kl_alert", 0.123)
     kl_row = next(r for r in diagnostics_plan() if r["metric"] == S.APPROX_KL)
     assert "0.123" in kl_row["alert"] and "0.1," not in kl_row["alert"]
-
-
-@pytest.mark.parametrize("module", sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")))
-def test_no_module_invents_a_metric_name(module):
-    path = SRC / module
-    if module == "core/schema.py":
-        return
-    found = _metric_literals(path)
-    if module in FROM_SCHEMA_ONLY:
-        assert found == [], f"{module} types metric names; import them from ppokit.core.schema: {found}"
-    elif module != "runtime/logger.py":  # the console also accepts other trainers' spellings (aliases)
-        unknown = [(line, name) for line, name in found if name not in METRICS]
-        assert unknown == [], f"{module} logs or reads names the schema does not define: {unknown}"
-
-
-def test_from_schema_only_modules_type_no_threshold():
-    # The thresholds (0.02, 0.1, 0.4, 1.5) are the schema's; a literal of them elsewhere is a second copy.
-    thresholds = {S.KL_WARN, S.KL_ALERT, S.CLIPFRAC_HIGH, S.KL_STOP_FACTOR}
-    for name in ("diagnostics/monitor.py", "analysis/doctor.py", "analysis/report.py"):
-        tree = ast.parse((SRC / name).read_text())
-        nums = [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
-                and isinstance(n.value, float) and not isinstance(n.value, bool)
-                and any(math.isclose(n.value, x) for x in thresholds)]
-        assert nums == [], f"{name}: {nums}"
