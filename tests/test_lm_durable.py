@@ -231,3 +231,39 @@ def test_a_reward_raising_mid_run_saves_the_last_iteration_and_the_resume_is_the
     r.train(2)
     r.close()
     assert _rows(run) == _rows(tmp_path / "whole")
+
+
+# The reward breaks TensorBoard's event file on its 3rd call (iteration 3): /dev/full fails every write with ENOSPC
+# (TensorBoard reopens the file for each record). Run in a subprocess: pytest replaces threading.excepthook, which
+# would hide the writer thread's traceback that must not be printed.
+FULL_DISK_REWARD = textwrap.dedent("""
+    import pathlib
+
+    calls = []
+
+    def reward(prompts, completions, **info):
+        calls.append(1)
+        if len(calls) == 3:
+            (event_file,) = pathlib.Path("run", "tb").glob("events.out.tfevents.*")
+            event_file.unlink()
+            event_file.symlink_to("/dev/full")
+        return [c.count("a") / 4 for c in completions]
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_tensorboard_ends_an_lm_run_in_one_line_after_saving(workdir, model_dir):
+    (workdir / "fullreward.py").write_text(FULL_DISK_REWARD)
+    args = _grpo(model_dir, workdir / "run", "--iterations", "6")
+    args[args.index("countreward:reward")] = "fullreward:reward"
+    args.remove("--no-tensorboard")
+    proc = _cli(workdir, *args)
+    out, err = proc.communicate(timeout=DEADLINE)
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert proc.returncode == 1, lines
+    assert len(lines) == 1 and "Traceback" not in lines[0] and "Exception in thread" not in lines[0], lines
+    assert lines[0].startswith("error: TensorBoard could not write its event file in ") and "ENOSPC" in lines[0]
+    saved = load_checkpoint(workdir / "run" / "trainer_state.pt")["iteration"]
+    assert saved >= 3 and f"saved iteration {saved} to {workdir / 'run' / 'trainer_state.pt'}" in lines[0]
+    # Every finished iteration's row is in metrics.csv once, up to the one saved: a resume continues from there.
+    assert _updates(workdir / "run")[:saved] == list(range(1, saved + 1))

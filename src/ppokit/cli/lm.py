@@ -294,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
     from ppokit.core.errors import ConfigError
     from ppokit.lm.durable import RUN_FAILURES
     from ppokit.runtime.checkpoint import CheckpointError
+    from ppokit.runtime.logger import SinkError
     from ppokit.runtime.rundir import RunDirError
 
     try:
@@ -306,8 +307,8 @@ def run(args: argparse.Namespace) -> int:
     except (InputError, ConfigError, RunDirError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except RUN_FAILURES as exc:  # the reward or a prompt failed mid-run; the last finished iteration is saved
-        print(f"error: {exc}", file=sys.stderr)
+    except (*RUN_FAILURES, SinkError) as exc:  # the reward, a prompt or a sink failed mid-run; the last
+        print(f"error: {exc}", file=sys.stderr)  # finished iteration is saved (the message says where)
         return 1
     except KeyboardInterrupt:
         # Before training (loading the model) or a second Ctrl-C: the last checkpoint, if any, is intact.

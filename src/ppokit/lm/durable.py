@@ -22,6 +22,7 @@ from typing import Any
 
 from ppokit.lm.checks import PromptError
 from ppokit.lm.rewards import RewardError
+from ppokit.runtime.logger import SinkError
 
 __all__ = ["CHECKPOINT", "LMRunLifecycle", "RUN_FAILURES"]
 
@@ -41,7 +42,8 @@ class LMRunLifecycle:
         With a run dir: a checkpoint (``save``) every ``save_every`` iterations and after the last one. Ctrl-C or
         SIGTERM finishes the iteration, saves and returns early (``self.interrupted`` names the signal; a second
         Ctrl-C raises KeyboardInterrupt, the last checkpoint intact). A failing reward or prompt raises its
-        ``RewardError`` / ``PromptError`` after saving the last finished iteration, saying where.
+        ``RewardError`` / ``PromptError`` after saving the last finished iteration, saying where; a metrics sink
+        that cannot write (``SinkError``: a full disk under TensorBoard) ends the run the same way.
         """
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
             raise ValueError(f"train: iterations must be an integer >= 0, got {iterations!r}")
@@ -61,6 +63,10 @@ class LMRunLifecycle:
                     out.append(self.step())
                 except RUN_FAILURES as exc:
                     raise type(exc)(f"{exc}; {self._save_after_failure(exc, cursor)}") from exc
+                except SinkError as exc:
+                    # A metrics sink could not write (a full disk): the iteration itself finished (the sinks
+                    # are written after it), so its state is whole and is saved before the one-line error.
+                    raise SinkError(f"{exc}; {self._save_after_sink_failure()}") from None
                 stopping = self._stop_requested = self.dist.any(self._stop_requested)
                 if stopping or self.iteration % self.config.save_every == 0 or k == iterations - 1:
                     self._checkpoint()
@@ -112,6 +118,19 @@ class LMRunLifecycle:
             except Exception:  # noqa: BLE001 - the failure is the news, not a failed alert write
                 pass
         return note
+
+    def _save_after_sink_failure(self) -> str:
+        """Save the finished iteration whose metrics a sink could not write; what happened, for the message."""
+        path = self.checkpoint_path
+        if path is None or not self.dist.is_main:
+            return "nothing was saved (no run dir)"
+        try:
+            self._checkpoint()
+            return f"saved iteration {self.iteration} to {path}"
+        except Exception as save_exc:  # noqa: BLE001 - the sink's failure is the one to report
+            from ppokit.runtime.checkpoint import one_line
+
+            return f"could not save iteration {self.iteration} ({one_line(save_exc)}); the previous checkpoint stays"
 
     def _log_interrupt(self) -> None:
         if self.logger is not None:
