@@ -422,3 +422,21 @@ def test_env_timeout_none_or_zero_disables_it(value, expected):
 
     assert PPOConfig.from_dict({"env_timeout": value}).validate().env_timeout == expected
     assert PPOConfig().env_timeout == 120.0
+
+
+@pytest.mark.parametrize("command", [["plan", "--budget", "1000"], ["train", "--quiet", "--total-timesteps", "640"]])
+def test_the_planners_probe_of_an_env_that_hangs_ends_after_the_timeout(tmp_path, capsys, command):
+    # `ppokit plan` and a bare `ppokit train --env` probe the env before anything is built: that probe is bounded
+    # by --env-timeout as training is, and ends in one line naming the phase.
+    Hostile.created = 0
+    start = time.monotonic()
+    code = main([*command, "--env", f"{PREFIX}-hang_reset-v0", "--env-timeout", "1",
+                 *(["--run-dir", str(tmp_path / "run")] if command[0] == "train" else [])])
+    elapsed = time.monotonic() - start
+    out = capsys.readouterr()
+    line = " ".join(error_line(out.out + out.err).split())
+    assert code == 1, line
+    assert elapsed < 40, elapsed  # the env hangs for 60 s
+    assert f"env '{PREFIX}-hang_reset-v0' failed in reset() (planner probe) at global step 0" in line
+    assert "did not return within 1 s (env_timeout, --env-timeout)" in line
+    assert not (tmp_path / "run").exists()  # nothing was built

@@ -92,24 +92,39 @@ def _image_note(shape: tuple[int, ...]) -> str:
 
 
 def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds: float = 5.0,
-              seed: int = 0, env_kwargs: dict[str, Any] | None = None) -> EnvProbe:
+              seed: int = 0, env_kwargs: dict[str, Any] | None = None,
+              env_timeout: float | None = PPOConfig.env_timeout) -> EnvProbe:
     """Spaces and typical episode length from a few random-action episodes, bounded in steps and seconds.
 
+    Each env call (the constructor, ``reset()``, ``step()``, ``close()``) is bounded by ``env_timeout`` seconds, as
+    in training (``envs.watchdog``): an env that hangs ends the probe with an ``EnvError`` naming the phase.
     Raises ``ValueError`` for an unknown id; an installed-but-unbuildable env (missing extra) also raises.
     """
-    import numpy as np
-
-    from ppokit.envs import check_env_id, check_spaces, make_eval_env
-    from ppokit.envs.errors import env_failure
+    from ppokit.envs import check_env_id
+    from ppokit.envs.watchdog import EnvWatchdog
 
     check_env_id(env_id)
+    watchdog = EnvWatchdog(env_timeout)
+    with watchdog.running():
+        return _probe(env_id, episodes, max_steps, max_seconds, seed, env_kwargs, watchdog)
+
+
+def _probe(env_id: str, episodes: int, max_steps: int, max_seconds: float, seed: int,
+           env_kwargs: dict[str, Any] | None, watchdog: Any) -> EnvProbe:
+    import numpy as np
+
+    from ppokit.envs import check_spaces, make_eval_env
+    from ppokit.envs.errors import env_failure
+    from ppokit.envs.watchdog import EnvTimeout
+
     probe = EnvProbe(env_id)
     try:
-        env = make_eval_env(env_id, env_kwargs=env_kwargs)  # the env the run will train on, kwargs and all
+        with watchdog.guard("make()"):
+            env = make_eval_env(env_id, env_kwargs=env_kwargs)  # the env the run will train on, kwargs and all
     except ConfigError:
         raise  # the constructor refused env_kwargs: a config error naming the field
-    except Exception as exc:  # noqa: BLE001 - an env that cannot be built: one line, not its traceback
-        raise env_failure(env_id, "make()", 0, exc) from exc
+    except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - an env that cannot be built: one line, not its traceback
+        raise env_failure(env_id, "make() (planner probe)", 0, exc) from exc
     try:
         probe.action_kind = check_spaces(env)
         act = env.action_space
@@ -124,27 +139,35 @@ def probe_env(env_id: str, episodes: int = 5, max_steps: int = 5000, max_seconds
         env.action_space.seed(seed)
         phase = "reset()"
         try:
-            env.reset(seed=seed)
+            with watchdog.guard(phase):
+                env.reset(seed=seed)
             length, start = 0, time.perf_counter()
             while (len(probe.episode_lengths) < episodes and probe.probe_steps < max_steps
                    and time.perf_counter() - start < max_seconds):
                 phase = "step()"
-                _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+                with watchdog.guard(phase):
+                    _, _, terminated, truncated, _ = env.step(env.action_space.sample())
                 probe.probe_steps += 1
                 length += 1
                 if bool(terminated) or bool(truncated):
                     probe.episode_lengths.append(length)
                     length = 0
                     phase = "reset()"
-                    env.reset()
-        except Exception as exc:  # noqa: BLE001 - the env raised while the planner probed it
+                    with watchdog.guard(phase):
+                        env.reset()
+        except (Exception, EnvTimeout) as exc:  # noqa: BLE001 - the env raised (or hung) while the planner probed it
             raise env_failure(env_id, f"{phase} (planner probe)", probe.probe_steps, exc) from exc
         probe.probed = True
         if not probe.episode_lengths:
             probe.notes.append(f"no episode finished in the {probe.probe_steps}-step random probe; episode length "
                                f"taken as {probe.typical_episode_length}")
     finally:
-        env.close()
+        if not watchdog.fired:  # a hung env is not called again: its close() would hang too
+            try:
+                with watchdog.guard("close()"):
+                    env.close()
+            except EnvTimeout:
+                pass  # the probe's result (or its error) stands; the env is abandoned
     return probe
 
 
@@ -346,9 +369,10 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
     # The probe builds the env the run will train on: with the env_kwargs given (a required one has no default).
     given = {k.replace("-", "_"): v for k, v in (overrides or {}).items()}
     env_kwargs = PPOConfig.from_dict({"env_kwargs": given.get("env_kwargs", {})}).env_kwargs
+    env_timeout = PPOConfig.from_dict({"env_timeout": given.get("env_timeout", PPOConfig.env_timeout)}).env_timeout
     if probe:
         try:
-            pr = probe_env(env_id, env_kwargs=env_kwargs)
+            pr = probe_env(env_id, env_kwargs=env_kwargs, env_timeout=env_timeout)
         except ConfigError:
             raise
         except Exception:  # noqa: BLE001 - a known env whose extra is not installed still gets its values
