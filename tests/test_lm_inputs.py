@@ -193,9 +193,23 @@ def test_an_absurd_batch_is_refused_by_the_memory_check_at_once(workdir, model_d
     started = time.monotonic()
     rc = main(["lm", algo, "--model", str(model_dir), *data, "--run-dir", "run", "--batch-prompts", "1e9",
                "--no-console", "--no-tensorboard"])
-    _one_line(capsys, rc, 2, "batch_prompts", "1,000,000,000", "GiB available on cpu")
+    line = _one_line(capsys, rc, 2, "batch_prompts", "1,000,000,000", "GiB available on cpu")
     assert time.monotonic() - started < 120  # refused, not run: the run took minutes before the check
     assert not (workdir / "run").exists()
+    # DPO backpropagates through every pair at once: more minibatches would not help, so it does not suggest them.
+    assert ("num_minibatches" in line) == (algo == "grpo"), line
+
+
+def test_the_memory_estimate_counts_the_rows_one_backward_holds(base):
+    from ppokit.lm import LMConfig
+    from ppokit.lm.checks import estimate_lm_memory
+
+    def update(num_minibatches, update_rows=None):
+        return estimate_lm_memory(LMConfig(num_minibatches=num_minibatches), base[0], 64, 16, 16, extra_models=1,
+                                  value_model=False, update_rows=update_rows)["update"]
+
+    assert update(4) * 4 == update(1)  # a minibatch of the rollout: a quarter of the rows
+    assert update(4, update_rows=64) == update(1)  # DPO: all rows in one backward, whatever num_minibatches says
 
 
 def test_a_batch_that_fits_passes_the_memory_check(base):

@@ -160,10 +160,10 @@ class LMTrainer(LMRunLifecycle):
                            f"batch_prompts {cfg.batch_prompts:,} x group_size {cfg.group_size:,}")
 
     def _check_memory(self, model: nn.Module, ref_model: nn.Module | None, rows: int, prompt_len: int,
-                      response_len: int, rows_text: str) -> None:
+                      response_len: int, rows_text: str, update_rows: int | None = None) -> None:
         copies = int(self.uses_reference and ref_model is None and not is_peft_model(model))
         check_lm_memory(self.config, model, rows, prompt_len, response_len, extra_models=copies,
-                        value_model=self.has_critic, rows_text=rows_text)
+                        value_model=self.has_critic, rows_text=rows_text, update_rows=update_rows)
 
     # ---------------------------------------------------------------- models
     def _init_reference(self, ref_model: nn.Module | None) -> None:

@@ -126,12 +126,14 @@ def _model_sizes(model: Any) -> tuple[int, int, int, int, int, int]:
 
 
 def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, response_len: int, *,
-                       extra_models: int, value_model: bool) -> dict[str, int]:
+                       extra_models: int, value_model: bool, update_rows: int | None = None) -> dict[str, int]:
     """Bytes a run needs beyond the models already loaded, roughly and on the low side (so a run that fits is
     never refused): ``models`` (the copies the trainer makes and AdamW's two moments and the gradient of every
     trainable weight), ``rollout`` (sampling ``rows`` sequences: the KV cache and the log-prob forwards' float32
     logits over the response) and ``update`` (one minibatch's forward and backward: the logits and ~16 hidden-size
     activations per token and layer, the standard transformer count without the attention scores).
+    ``update_rows`` is how many sequences one backward pass holds: by default a minibatch of the rollout
+    (``rows / num_minibatches``); DPO backpropagates through all of its ``rows`` at once.
 
     Measured on the 10M-parameter tiny GPT-2 (GRPO, 8 x 8 completions of 32 tokens, 2 minibatches, CPU): 362 MiB
     estimated, 427 MiB of peak RSS growth over two iterations."""
@@ -140,17 +142,17 @@ def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, resp
     critic = 2 if value_model else 1  # PPO's critic is a copy of the trunk, trained too
     models = extra_models * n * itemsize + critic * trainable * (2 * 4 + itemsize)
     rollout = rows * (2 * layers * L * hidden * itemsize + R * vocab * 4) + rows * L * 4 * 16
-    mb = math.ceil(rows / max(1, config.num_minibatches))
+    mb = math.ceil(rows / max(1, config.num_minibatches)) if update_rows is None else update_rows
     act_layers = 1 if config.gradient_checkpointing else layers
     update = critic * mb * L * (act_layers * 16 * hidden * 4) + mb * R * vocab * 4 * 2
     return {"models": models, "rollout": rollout, "update": update}
 
 
 def check_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, response_len: int, *, extra_models: int,
-                    value_model: bool, rows_text: str) -> None:
+                    value_model: bool, rows_text: str, update_rows: int | None = None) -> None:
     """``ConfigError`` naming the batch field when ``estimate_lm_memory`` exceeds the memory available now."""
     parts = estimate_lm_memory(config, model, rows, prompt_len, response_len, extra_models=extra_models,
-                               value_model=value_model)
+                               value_model=value_model, update_rows=update_rows)
     need, have = sum(parts.values()), available_memory(config.device)
     if have is None or need <= have:
         return
@@ -159,5 +161,5 @@ def check_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, respons
                       f"iteration ({rows_text}) need about "
                       f"{need / 2**30:,.1f} GiB (sampling {gib['rollout']:,.1f}, one update minibatch "
                       f"{gib['update']:,.1f}, model copies and optimizer {gib['models']:,.1f}), more than the "
-                      f"{have / 2**30:,.1f} GiB available on {config.device}; lower them (or raise "
-                      "num_minibatches)")
+                      f"{have / 2**30:,.1f} GiB available on {config.device}; lower them"
+                      + (" (or raise num_minibatches)" if update_rows is None else ""))
