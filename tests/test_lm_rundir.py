@@ -77,3 +77,29 @@ def test_the_console_line_of_an_lm_run_shows_its_score_and_speed(base, tmp_path,
     assert history[-1][S.SPS] > 0  # completions per second
     out = capsys.readouterr().out + capsys.readouterr().err
     assert f"{history[-1][S.SCORE_MEAN]:.1f}" in out and "return –" not in out
+
+
+def test_a_kill_between_the_policy_swaps_renames_puts_the_previous_policy_back(base, tmp_path):
+    from ppokit.runtime import rundir
+
+    run = tmp_path / "run"
+    t = _trainer(base, run)
+    t.train(2)
+    t.close()
+    saved = {p.name: p.read_bytes() for p in (run / "policy").iterdir()}
+    # The disk as a kill -9 between the two renames of the next save leaves it: the previous policy/ moved aside,
+    # the fresh one still under its temp name (half written), no policy/.
+    new, aside, final = rundir.policy_swap_paths(run, "0123abcd")
+    final.rename(aside)
+    new.mkdir()
+    (new / "model.safetensors").write_bytes(b"half")
+    claim = rundir.claim(run, resume=True)  # what a resume claims first
+    claim.release()
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == saved  # the policy the checkpoint belongs to
+    assert not aside.exists() and not new.exists()
+    assert any("is back in place" in note for note in claim.notes), claim.notes
+    # ... and the run goes on from its checkpoint.
+    resumed = GRPOTrainer.resume(run, copy.deepcopy(base[0]), base[1], reward=reward, prompts=PROMPTS)
+    resumed.train(1)
+    resumed.close()
+    assert _updates(run) == [1, 2, 3]

@@ -351,11 +351,11 @@ class LMTrainer(LMRunLifecycle):
         return directory
 
     def _save_policy_dir(self, directory: Path) -> None:
-        """``directory/policy`` replaced by a fresh ``save_pretrained`` (written as ``.policy.<id>.tmp``, which
-        ``rundir.claim`` removes if a kill leaves it)."""
-        token = uuid.uuid4().hex
-        tmp, aside, final = (directory / f".policy.{token}.tmp", directory / f".policy.{token}.old.tmp",
-                             directory / "policy")
+        """``directory/policy`` replaced by a fresh ``save_pretrained`` (written under a temp name beside it; a kill
+        leaves temp names that ``rundir.claim`` removes, or, between the two renames, puts back)."""
+        from ppokit.runtime.rundir import policy_swap_paths
+
+        tmp, aside, final = policy_swap_paths(directory, uuid.uuid4().hex)
         try:
             with _quiet_progress():  # no "Writing model shards" bar on stderr at every checkpoint
                 self.policy.save_pretrained(tmp)

@@ -38,9 +38,19 @@ RUN_FILES = ("config.toml", "metrics.csv", "checkpoint.pt")
 # lm_run.json, trainer_state.pt, value_model.safetensors and policy/: what the language-model trainers write.
 _OUTPUT_FILES = (*RUN_FILES, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
                  "trainer_state.pt", "value_model.safetensors")
-_OUTPUT_DIRS = ("tb", "videos", "wandb", "policy")  # videos: --capture-video; wandb: --track
+_OUTPUT_DIRS = ("tb", "videos", "wandb", "policy")  # policy: POLICY_DIR  # videos: --capture-video; wandb: --track
 # Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their policy/ directory).
 _TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
+POLICY_DIR = "policy"  # an LM run's save_pretrained directory
+
+
+def policy_swap_paths(run_dir: Path, token: str) -> tuple[Path, Path, Path]:
+    """``(new, aside, final)``: where an LM save writes the fresh ``policy/`` (``new``), where the previous one
+    waits while the new one is renamed in (``aside``), and ``policy/`` itself. Both temp names match
+    ``_TMP_CHECKPOINT_GLOBS``; ``claim`` puts an ``aside`` back when a kill came between the two renames."""
+    return (run_dir / f".{POLICY_DIR}.{token}.tmp", run_dir / f".{POLICY_DIR}.{token}.old.tmp", run_dir / POLICY_DIR)
+
+
 # Tokens of the locks this process holds: the same pid in a lock is a live owner only if it is one of these.
 _HELD: set[str] = set()
 
@@ -243,6 +253,15 @@ def claim(run_dir: str | os.PathLike, resume: bool = False, overwrite: bool = Fa
                     f"with --overwrite (overwrite=True in Python)")
             notes.append(f"--overwrite: removed the previous run's {', '.join(_clear_outputs(run_dir))} "
                          f"from {run_dir}")
+        # A kill between the two renames of an LM save left the previous policy/ aside and none in place. The
+        # checkpoint is written after the swap, so that previous policy/ is the one it belongs to: it goes back.
+        if not overwrite and not (run_dir / POLICY_DIR).exists():
+            for aside in sorted(run_dir.glob(f".{POLICY_DIR}.*.old.tmp")):
+                if aside.is_dir() and not aside.is_symlink():
+                    os.rename(aside, run_dir / POLICY_DIR)
+                    notes.append(f"a save was killed while it replaced {run_dir / POLICY_DIR}: the previous one, "
+                                 "which the checkpoint belongs to, is back in place")
+                    break
         # A checkpoint write killed midway leaves its temp file; nothing else writes here while we hold the lock.
         for tmp in (t for pattern in _TMP_CHECKPOINT_GLOBS for t in run_dir.glob(pattern)):
             if tmp.is_dir() and not tmp.is_symlink():
