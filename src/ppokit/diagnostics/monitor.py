@@ -39,7 +39,7 @@ run.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
 from ppokit.core import schema as S
@@ -258,6 +258,27 @@ class Monitor:
         self._first_lr: float | None = None
         self._saw_negative_entropy = False
 
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """What the rules carry from one update to the next, in checkpoint-safe types (a run's checkpoint holds
+        it), so that a resumed run raises the alerts an uninterrupted one would: the cooldowns, the last updates
+        the patience windows look at, the whole-run summary, the first entropy and learning rate."""
+        window = max(1, int(self.t["clipfrac_patience"]))  # the longest look back of any rule (``_recent``)
+        return {"history": [dict(row) for row in self.history[-window:]], "summary": asdict(self.summary),
+                "last_fired": dict(self._last_fired), "first_entropy": self._first_entropy,
+                "first_lr": self._first_lr, "saw_negative_entropy": self._saw_negative_entropy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a malformed one raises TypeError/ValueError/KeyError and changes nothing."""
+        history = [{str(k): float(v) for k, v in row.items()} for row in state["history"]]
+        saved = state["summary"]
+        summary = RunSummary(**{f.name: type(getattr(RunSummary, f.name))(saved[f.name]) for f in fields(RunSummary)})
+        last_fired = {str(k): int(v) for k, v in state["last_fired"].items()}
+        first_entropy, first_lr = (None if state[k] is None else float(state[k]) for k in ("first_entropy", "first_lr"))
+        self.history, self.summary, self._last_fired = history, summary, last_fired
+        self._first_entropy, self._first_lr = first_entropy, first_lr
+        self._saw_negative_entropy = bool(state["saw_negative_entropy"])
+
     def _fire(self, out: list[Alert], update: int, alert: Alert) -> None:
         last = self._last_fired.get(alert.name)
         if last is not None and update - last < self.cooldown:
@@ -313,7 +334,7 @@ class Monitor:
         if verdict is None:
             return
         cause, evidence = verdict
-        n = len(self.history)
+        n = self.summary.updates
         if cause == "returns_at_time_limit":
             return  # not the reward function's fault: the policy has not reached a terminal state yet
         if cause == "rewards_all_zero":
@@ -389,7 +410,7 @@ class Monitor:
         if critic_never_learned(self.summary, t):
             last = self.summary.ev_last
             self._fire(out, update, Alert("warn", "critic_not_learning",
-                                          f"explained variance has never exceeded {t['ev_min']} in {len(self.history)} "
+                                          f"explained variance has never exceeded {t['ev_min']} in {self.summary.updates} "
                                           f"updates (latest {last:.3g}): the critic is not learning; check "
                                           "learning_rate, vf_coef and the reward scale (normalize_reward)",
                                           {"explained_variance": last}))

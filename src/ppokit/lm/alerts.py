@@ -31,6 +31,14 @@ class LMAlerts:
         self._last: dict[str, int] = {}
         self._zero_std_run = 0
 
+    def state_dict(self) -> dict:
+        """The cooldowns and the zero-variance streak, for the run's checkpoint (a resume alerts as if unbroken)."""
+        return {"last": dict(self._last), "zero_std_run": self._zero_std_run}
+
+    def load_state_dict(self, state: dict) -> None:
+        last, run = {str(k): int(v) for k, v in state["last"].items()}, int(state["zero_std_run"])
+        self._last, self._zero_std_run = last, run
+
     def _fire(self, out: list[Alert], update: int, alert: Alert) -> None:
         last = self._last.get(alert.name)
         if last is None or update - last >= self.cooldown:

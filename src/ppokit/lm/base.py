@@ -42,7 +42,7 @@ from ppokit.lm.rollout import Sampled, sample
 from ppokit.lm.sampling import CachedSampler
 from ppokit.policies import frozen_copy
 from ppokit.runtime import distributed
-from ppokit.runtime.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 __all__ = ["LMTrainer", "is_peft_model", "disable_dropout", "adamw"]
 
@@ -345,6 +345,8 @@ class LMTrainer(LMRunLifecycle):
             "optimizer": self.optimizer.state_dict(),
             **(self._cursor() if cursor is None else cursor),
             "ref_fingerprint": self._ref_fingerprint,
+            # The live alerts' cooldowns and windows, so that a resumed run alerts as an unbroken one would.
+            "alerts": {"monitor": self.monitor.state_dict(), "lm": self.lm_alerts.state_dict()},
             **self._extra_state(),
         }
         save_checkpoint(directory / CHECKPOINT, state, finite=["policy", "optimizer", *self._finite_keys()])
@@ -420,6 +422,13 @@ class LMTrainer(LMRunLifecycle):
         if trainer.prompts is not None and state.get("prompts") is not None:
             trainer.prompts.load_state(state["prompts"])
         trainer._load_extra_state(state)
+        if state.get("alerts") is not None:  # a checkpoint of an older release starts the alerts afresh
+            try:
+                trainer.monitor.load_state_dict(state["alerts"]["monitor"])
+                trainer.lm_alerts.load_state_dict(state["alerts"]["lm"])
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                raise CheckpointError(f"{directory / CHECKPOINT} cannot be resumed: its alerts entry is malformed "
+                                      f"({type(exc).__name__}: {exc})") from None
         trainer._resumed_at = trainer.completions
         return trainer
 

@@ -37,6 +37,7 @@ class TrainerCheckpoint:
             "global_step": self.global_step,
             "update": self.update_idx,
             "kl_beta": self.kl_beta,
+            "monitor": self.monitor.state_dict(),  # the live alerts' cooldowns and windows continue too
             "perf": dict(self.perf),
             "loop": self.collector.loop_state(),  # next_obs_raw, ep_return, ep_length, prev_done
             "env_state": capture_env_state(self.envs),
@@ -87,6 +88,8 @@ class TrainerCheckpoint:
             self.update_idx = int(state["update"])
             self.kl_beta = float(state["kl_beta"])
             self.perf.update(state.get("perf", {}))
+            if state.get("monitor") is not None:  # a checkpoint of an older release starts the alerts afresh
+                self.monitor.load_state_dict(state["monitor"])
             loop = state["loop"]
             if restore_env_state(self.envs, state.get("env_state")):
                 self.collector.load_loop_state(loop)
