@@ -153,6 +153,15 @@ def test_planner_uses_the_zoo_for_an_id_without_a_preset_and_keeps_presets():
 
 
 @needs_zoo
+def test_plan_names_what_it_could_not_translate():
+    notes = make_plan("MountainCarContinuous-v0", 20_000).notes
+    assert any(n.startswith("not translated from RL-Zoo: use_sde:") for n in notes)
+    assert any(n.startswith("not translated from RL-Zoo: policy_kwargs.log_std_init: -3.29") for n in notes)
+    # BipedalWalker's published rollout is 32 x 2048: a 100k budget gets a note about its few updates.
+    assert any("gives only 1 updates" in n for n in make_plan("BipedalWalker-v3", 100_000, probe=False).notes)
+
+
+@needs_zoo
 def test_bad_zoo_requests_are_one_line(capsys):
     assert main(["plan", "--env", "Taxi-v3", "--zoo"]) == 2
     err = capsys.readouterr().err.strip()

@@ -333,6 +333,14 @@ class Plan:
             "notes": self.notes, "diagnostics": self.diagnostics}, indent=2)
 
 
+def _short_budget_note(config: PPOConfig, budget: int) -> list[str]:
+    """A note when published settings get fewer than MIN_UPDATES updates from ``budget``."""
+    if config.batch_size * MIN_UPDATES <= budget:
+        return []
+    return [f"the budget of {budget:,} steps gives only {max(1, budget // config.batch_size)} updates of "
+            f"{config.batch_size} steps with the published rollout size; they were tuned for longer runs"]
+
+
 def zoo_entry(env_id: str, zoo: bool | None) -> ZooSettings | None:
     """RL-Zoo's translated entry the planner uses for ``env_id``: with ``zoo=True`` the entry or a
     ``ConfigError`` (rl_zoo3 missing, no entry); ``None`` (the default) the entry when rl_zoo3 is installed and
@@ -397,6 +405,7 @@ def make_plan(env_id: str, budget: int | None, overrides: dict[str, Any] | None 
         if tuned and tuned != budget:
             notes.append(f"RL-Zoo tuned these settings for {tuned:,} steps; this plan runs {budget:,}")
         config = PPOConfig.from_dict(values, base)
+        notes += _short_budget_note(config, budget)
     elif known is not None:
         source, values, preset = known
         if preset:
@@ -417,10 +426,7 @@ def make_plan(env_id: str, budget: int | None, overrides: dict[str, Any] | None 
                 reasons[k] = f"{role}: {values[k]!r} as in {cite}"
         reasons["norm_adv"] = f"on as in {cite}; required by the guard rails"
         config = PPOConfig.from_dict(values, base)
-        if config.num_envs * config.num_steps * MIN_UPDATES > budget:
-            notes.append(f"the budget of {budget:,} steps gives only {max(1, budget // config.batch_size)} updates "
-                         f"of {config.batch_size} steps with the published rollout size; they were tuned for "
-                         "longer runs")
+        notes += _short_budget_note(config, budget)
     else:
         source = "ppokit's rules for an environment with no published settings"
         if not pr.probed:
