@@ -106,7 +106,7 @@ def test_probe_is_bounded_in_steps():
 
 
 def test_unknown_discrete_env_follows_the_rules():
-    plan = make_plan("MountainCar-v0", 500_000)
+    plan = make_plan("MountainCar-v0", 500_000, zoo=False)  # the rules, even where RL-Zoo has an entry
     c = plan.config
     assert plan.source.startswith("ppokit's rules")
     assert plan.probe.typical_episode_length == 200  # random MountainCar never reaches the flag
@@ -117,14 +117,14 @@ def test_unknown_discrete_env_follows_the_rules():
 
 
 def test_small_budget_shrinks_the_batch_to_keep_50_updates():
-    plan = make_plan("MountainCar-v0", 20_000)
+    plan = make_plan("MountainCar-v0", 20_000, zoo=False)
     assert plan.config.num_updates >= MIN_UPDATES
     assert plan.config.batch_size <= 20_000 // MIN_UPDATES
     assert "budget" in plan.reasons["num_steps"]
 
 
 def test_unknown_continuous_env_follows_the_rules():
-    plan = make_plan("MountainCarContinuous-v0", 1_000_000)
+    plan = make_plan("MountainCarContinuous-v0", 1_000_000, zoo=False)
     c = plan.config
     assert (c.ent_coef, c.update_epochs, c.normalize_obs, c.normalize_reward) == (0.0, 10, True, True)
     assert c.minibatch_size <= 128 and c.num_updates >= MIN_UPDATES

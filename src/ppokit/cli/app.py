@@ -21,6 +21,7 @@ _COMMAND_MODULES = [
     "ppokit.cli.doctor",
     "ppokit.cli.report",
     "ppokit.cli.sweep",
+    "ppokit.cli.tune",
     "ppokit.cli.compare",
     "ppokit.cli.lm",
 ]

@@ -50,8 +50,14 @@ def resolve_config(args: argparse.Namespace):
     config_file = getattr(args, "config", None)
     if preset is None and config_file is None and "env_id" not in overrides:
         preset = "cartpole"
+    zoo = getattr(args, "zoo", False)
+    if zoo and (preset is not None or config_file is not None or "env_id" not in overrides):
+        from ppokit.config.ppo_config import ConfigError
+
+        raise ConfigError("zoo", "--zoo takes RL-Zoo's settings for --env ENV_ID; it cannot be combined with "
+                                 "--preset or --config")
     if preset is None and config_file is None:
-        return planned_config(overrides)
+        return planned_config(overrides, zoo=True if zoo else None)
     config = PPOConfig()
     if preset:
         config = load_preset(preset, config)
@@ -76,6 +82,9 @@ def add_parser(sub) -> None:
 
     p.add_argument("--preset", default=None, help=f"a shipped preset: {', '.join(list_presets())}")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file of config fields")
+    p.add_argument("--zoo", action="store_true",
+                   help="with --env: RL-Zoo's published PPO settings for the env (rl_zoo3's ppo.yml / ppo_lstm.yml, "
+                        "pip install 'ppokit[zoo]'), flags still override them")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint with its saved config; only "
                         "--total-timesteps (a new length), --quiet and --import-module may be given with it")
     p.add_argument("--overwrite", action="store_true",
@@ -210,7 +219,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
     for name in ("preset", "config", "resume"):
         if getattr(args, name) is not None:
             argv.append(f"--{name}={getattr(args, name)}")
-    argv += ["--overwrite"] * bool(args.overwrite) + ["--quiet"] * bool(args.quiet)
+    argv += ["--overwrite"] * bool(args.overwrite) + ["--quiet"] * bool(args.quiet) + ["--zoo"] * bool(args.zoo)
     argv += [f"--import-module={m}" for m in args.import_module]
     for f in dataclasses.fields(PPOConfig):
         value, flag = getattr(args, f.name, None), f.name.replace("_", "-")
@@ -230,6 +239,7 @@ def _resume_total(args: argparse.Namespace) -> int | None:
     given = [f"--{name.replace('_', '-')}" for name in PPOConfig.field_names()
              if name not in RESUME_FLAGS and getattr(args, name, None) is not None]
     given += [f"--{name}" for name in ("preset", "config") if getattr(args, name, None) is not None]
+    given += ["--zoo"] * bool(getattr(args, "zoo", False))
     if given:
         name = given[0].lstrip("-").replace("-", "_")
         raise ConfigError(name, f"{', '.join(given)} cannot be given with --resume: a resumed run keeps the config "

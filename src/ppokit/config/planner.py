@@ -2,8 +2,9 @@
 
 ``make_plan(env_id, budget)`` probes the environment (action space, observation shape, typical episode length
 from a few random-action episodes), then picks values: known environments get known-good published settings
-(the shipped presets, RL-Zoo's or CleanRL's defaults, each cited), anything else follows the documented rules in
-``_rule_based``. The result is a validated ``PPOConfig`` (so the trust-region guard rails apply) plus a
+(the shipped presets, RL-Zoo's or CleanRL's defaults, each cited; with rl_zoo3 installed, RL-Zoo's own YAML
+entry for an id without a preset, or for any id with ``zoo=True``: ``config/zoo.py``), anything else follows the
+documented rules in ``_rule_based``. The result is a validated ``PPOConfig`` (so the trust-region guard rails apply) plus a
 diagnostics plan whose thresholds are the live monitor's, rendered as Markdown, TOML (``PPOConfig.to_toml()``
 with the reasons as comments, runnable with ``ppokit train --config``) or JSON.
 """
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset, register_planner
+from ppokit.config.zoo import ZOO_FILES, ZooSettings, zoo_dir, zoo_settings
 from ppokit.core import schema as S
 from ppokit.core.schema import THRESHOLDS
 
-__all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "planned_config", "diagnostics_plan", "MIN_UPDATES"]
+__all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "zoo_entry", "planned_config", "diagnostics_plan", "MIN_UPDATES"]
 
 # Fewer updates than this and PPO has too few policy-improvement steps to get anywhere on most tasks.
 MIN_UPDATES = 50
@@ -354,17 +356,44 @@ class Plan:
             "notes": self.notes, "diagnostics": self.diagnostics}, indent=2)
 
 
-def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None, probe: bool = True) -> Plan:
+def _short_budget_note(config: PPOConfig, budget: int) -> list[str]:
+    """A note when published settings get fewer than MIN_UPDATES updates from ``budget``."""
+    if config.batch_size * MIN_UPDATES <= budget:
+        return []
+    return [f"the budget of {budget:,} steps gives only {max(1, budget // config.batch_size)} updates of "
+            f"{config.batch_size} steps with the published rollout size; they were tuned for longer runs"]
+
+
+def zoo_entry(env_id: str, zoo: bool | None) -> ZooSettings | None:
+    """RL-Zoo's translated entry the planner uses for ``env_id``: with ``zoo=True`` the entry or a
+    ``ConfigError`` (rl_zoo3 missing, no entry); ``None`` (the default) the entry when rl_zoo3 is installed and
+    ppokit has no preset for the id (the presets are RL-Zoo's own values, kept exact); ``False`` never."""
+    if zoo is False or (zoo is None and (known_settings(env_id) is not None or zoo_dir() is None)):
+        return None
+    settings = zoo_settings(env_id)
+    if settings is None and zoo:
+        raise ConfigError("zoo", f"RL-Zoo has no PPO entry for {env_id!r} in {' or '.join(ZOO_FILES)} "
+                                 f"({zoo_dir()})")
+    return settings
+
+
+def make_plan(env_id: str, budget: int | None, overrides: dict[str, Any] | None = None, probe: bool = True,
+              zoo: bool | None = None) -> Plan:
     """Plan a PPO run on ``env_id`` for ``budget`` environment steps; ``overrides`` (field -> value) win.
 
-    Raises ``ConfigError`` (naming the field) if the budget is invalid or the result breaks a guard rail
-    without ``unsafe``; ``ValueError`` for an unknown environment id.
+    ``zoo`` picks RL-Zoo's published settings as the source (``zoo_entry``); with them ``budget=None`` means
+    RL-Zoo's ``n_timesteps``. Raises ``ConfigError`` (naming the field) if the budget is invalid or the result
+    breaks a guard rail without ``unsafe``; ``ValueError`` for an unknown environment id.
     """
+    zs = zoo_entry(env_id, zoo)
+    if budget is None and zs is not None and "total_timesteps" in zs.values:
+        budget = zs.values["total_timesteps"]
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ConfigError("total_timesteps", f"the budget must be a positive integer number of steps, got {budget!r}")
-    known = known_settings(env_id)
+    known = known_settings(env_id) if zs is None else None
     notes: list[str] = []
-    atari = known is not None and known[2] == "atari"
+    listed = known_settings(env_id)  # the id's preset, even when RL-Zoo's entry is the source
+    atari = listed is not None and listed[2] == "atari"
     pr = EnvProbe(env_id)
     # The probe builds the env the run will train on: with the env_kwargs given (a required one has no default).
     given = {k.replace("-", "_"): v for k, v in (overrides or {}).items()}
@@ -376,9 +405,9 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
         except ConfigError:
             raise
         except Exception:  # noqa: BLE001 - a known env whose extra is not installed still gets its values
-            if known is None:
+            if listed is None:
                 raise
-            package = "ale-py" if atari else "gymnasium[mujoco]" if "MuJoCo" in known[0] else "gymnasium[box2d]"
+            package = "ale-py" if atari else "gymnasium[mujoco]" if "MuJoCo" in listed[0] else "gymnasium[box2d]"
             pr.notes.append(f"{env_id} could not be created here ({package} is probably not installed), so it was "
                             f"not probed; the known values are used. Install {package} to train it")
     notes += pr.notes
@@ -391,7 +420,17 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
 
     reasons: dict[str, str] = {}
     base = PPOConfig()
-    if known is not None:
+    if zs is not None:
+        source = zs.source
+        values = {k: v for k, v in zs.values.items() if k != "total_timesteps"}
+        reasons.update({k: f"{why}, as in RL-Zoo" for k, why in zs.reasons.items() if k in values})
+        notes += [f"not translated from RL-Zoo: {name}: {why}" for name, why in zs.untranslated.items()]
+        tuned = zs.values.get("total_timesteps")
+        if tuned and tuned != budget:
+            notes.append(f"RL-Zoo tuned these settings for {tuned:,} steps; this plan runs {budget:,}")
+        config = PPOConfig.from_dict(values, base)
+        notes += _short_budget_note(config, budget)
+    elif known is not None:
         source, values, preset = known
         if preset:
             base = load_preset(preset)
@@ -411,10 +450,7 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
                 reasons[k] = f"{role}: {values[k]!r} as in {cite}"
         reasons["norm_adv"] = f"on as in {cite}; required by the guard rails"
         config = PPOConfig.from_dict(values, base)
-        if config.num_envs * config.num_steps * MIN_UPDATES > budget:
-            notes.append(f"the budget of {budget:,} steps gives only {max(1, budget // config.batch_size)} updates "
-                         f"of {config.batch_size} steps with the published rollout size; they were tuned for "
-                         "longer runs")
+        notes += _short_budget_note(config, budget)
     else:
         source = "ppokit's rules for an environment with no published settings"
         if not pr.probed:
@@ -435,7 +471,7 @@ def make_plan(env_id: str, budget: int, overrides: dict[str, Any] | None = None,
     return Plan(config, reasons, pr, source, notes, diagnostics_plan())
 
 
-def planned_config(overrides: dict[str, Any]) -> tuple[PPOConfig, str]:
+def planned_config(overrides: dict[str, Any], zoo: bool | None = None) -> tuple[PPOConfig, str]:
     """``(config, source)``: what ``ppokit train --env X`` and ``PPOConfig.for_env(X)`` train, for ``overrides``
     (config fields, ``env_id`` among them; as typed values or command-line text): the planner's config for X with
     the other fields applied, and one sentence saying where its values came from.
@@ -446,19 +482,22 @@ def planned_config(overrides: dict[str, Any]) -> tuple[PPOConfig, str]:
     # Type errors in the overrides first: they need no environment.
     flagged = PPOConfig.from_dict(overrides)
     env_id = flagged.env_id
-    known = known_settings(env_id)
+    zs = zoo_entry(env_id, zoo)
+    known = known_settings(env_id) if zs is None else None
     if "total_timesteps" in overrides:
         budget = flagged.total_timesteps
+    elif zs is not None:
+        budget = zs.values.get("total_timesteps", PPOConfig().total_timesteps)
     elif known is not None and known[2]:
         budget = load_preset(known[2]).total_timesteps
     else:
         budget = PPOConfig().total_timesteps
     rest = {k: v for k, v in overrides.items() if k not in ("env_id", "total_timesteps")}
-    if known is None and flagged.vector_mode == "envpool":
+    if known is None and zs is None and flagged.vector_mode == "envpool":
         # envpool's task ids are not Gymnasium ids, so the planner cannot probe them: the defaults it is.
         return (flagged.validate(), f"config: library defaults for {env_id} (the planner cannot probe an "
                                     "envpool task; pass --preset or --config to tune it)")
-    plan = make_plan(env_id, budget, rest, probe=known is None)
+    plan = make_plan(env_id, budget, rest, probe=known is None, zoo=zoo)
     source = (f"config: planner settings for {env_id} ({plan.source}); see ppokit plan --env {env_id} "
               f"--budget {budget}")
     return plan.config, source
