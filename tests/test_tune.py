@@ -111,3 +111,48 @@ def test_import_ppokit_does_not_import_optuna():
     code = ("import sys, ppokit, ppokit.cli.app as a; a.build_parser(); "
             "assert 'optuna' not in sys.modules, 'optuna imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        return {int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()}
+    except OSError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the workers' parent-death signal is Linux's")
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_trial_workers_end_with_tune(tmp_path, sig):
+    import os
+    import signal
+    import time
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    proc = subprocess.Popen([sys.executable, "-m", "ppokit", "tune", "--env", "CartPole-v1", "--total-timesteps",
+                             "200000", "--evaluations", "2", "--trials", "2", "--jobs", "2", "--storage", url,
+                             "--out", str(tmp_path / "td")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 240  # spawning two interpreters that import torch, under load
+        workers: set[int] = set()
+        while len(workers) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the trial workers did not start"
+            workers = {c for c in _children(proc.pid)
+                       if "multiprocessing" in open(f"/proc/{c}/cmdline").read() and _alive(c)}
+            time.sleep(0.2)
+        os.kill(proc.pid, getattr(signal, sig))
+        proc.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while any(_alive(w) for w in workers):
+            assert time.monotonic() < deadline, f"trial workers outlived tune after {sig}: {workers}"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,10 +240,15 @@ def _make_study(s: TuneSettings, seed: int):
                                direction="maximize", load_if_exists=True)
 
 
-def _worker(s: TuneSettings, worker: int, n_trials: int) -> None:
+def _worker(s: TuneSettings, worker: int, n_trials: int, worker_of: int | None = None) -> None:
     """One process of ``jobs``: its own sampler seed, the shared study, ``n_trials`` trials."""
     import optuna
     import torch
+
+    from ppokit.envs.watchdog import die_with_parent
+
+    if worker_of is not None:
+        die_with_parent(worker_of)  # a worker process ends with `ppokit tune`, even a kill -9 of it
 
     torch.set_num_threads(1)  # each trial trains with torch_threads = 1 too; the workers share the cores
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -324,7 +330,7 @@ def run_tune(s: TuneSettings) -> TuneResult:
     else:
         shares = [s.trials // s.jobs + (i < s.trials % s.jobs) for i in range(s.jobs)]
         ctx = multiprocessing.get_context("spawn")  # no forked torch or sqlite state in the workers
-        procs = [ctx.Process(target=_worker, args=(s, i, n)) for i, n in enumerate(shares) if n]
+        procs = [ctx.Process(target=_worker, args=(s, i, n, os.getpid())) for i, n in enumerate(shares) if n]
         for p in procs:
             p.start()
         try:

@@ -36,7 +36,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-__all__ = ["EnvTimeout", "EnvWatchdog", "NO_WATCHDOG", "STOP_GRACE_S", "close_vector_env", "orphan_proof_worker",
+__all__ = ["EnvTimeout", "EnvWatchdog", "NO_WATCHDOG", "STOP_GRACE_S", "close_vector_env", "die_with_parent",
+           "orphan_proof_worker",
            "pending_workers", "async_kwargs"]
 
 # After a Ctrl-C, how long a pending env call may still take before the run ends without it: a healthy step or
@@ -256,8 +257,10 @@ def close_vector_env(envs: Any, watchdog: Any = NO_WATCHDOG) -> None:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _die_with_parent(parent: int | None) -> None:
-    """Linux: SIGKILL this process when the process that started it exits (prctl(2)); a no-op elsewhere."""
+def die_with_parent(parent: int | None) -> None:
+    """Linux: SIGKILL this process when the process that started it exits (prctl(2)); a no-op elsewhere. Every
+    worker process ppokit starts calls it first (env workers, tune's trial workers), so none outlives a kill -9 of
+    its parent. ``parent``: the pid expected as parent (exit at once if it is gone already)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -280,7 +283,7 @@ def orphan_proof_worker(index: int, env_fn: Any, pipe: Any, parent_pipe: Any, sh
     from gymnasium.vector.async_vector_env import _async_worker
 
     parent = multiprocessing.parent_process()
-    _die_with_parent(parent.pid if parent is not None else None)
+    die_with_parent(parent.pid if parent is not None else None)
     made: list[Any] = []
 
     def make() -> Any:
