@@ -22,6 +22,7 @@ _COMMAND_MODULES = [
     "ppokit.cli.report",
     "ppokit.cli.sweep",
     "ppokit.cli.compare",
+    "ppokit.cli.export",
     "ppokit.cli.lm",
 ]
 
