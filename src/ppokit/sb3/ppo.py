@@ -21,6 +21,7 @@ import numpy as np
 
 from ppokit.config.ppo_config import ConfigError, PPOConfig
 from ppokit.runtime import checkpoint as ckpt
+from ppokit.runtime.logger import ConsoleSink
 from ppokit.sb3.callbacks import Bridge, as_callback
 from ppokit.sb3.translate import TABLE, SB3Error, sb3_name, translate
 from ppokit.sb3.vec_env import TrainEnv, make_vec_env, train_env
@@ -118,12 +119,15 @@ class PPO:
             cb.init_callback(self)
             cb.on_training_start(locals(), globals())
         bridge = [Bridge(cb, self, cfg.num_steps, cfg.num_envs)] if cb is not None else None
-        trainer = Trainer(cfg, run_dir=run_dir, console_enabled=self.verbose >= 1 or progress_bar,
-                          resume_state=resume, env=self._env.env, callbacks=bridge, policy=factory)
+        progress = ConsoleSink.PROGRESS
+        ConsoleSink.PROGRESS = progress or progress_bar  # a bar with an ETA on any terminal width
         try:
+            trainer = Trainer(cfg, run_dir=run_dir, console_enabled=self.verbose >= 1 or progress_bar,
+                              resume_state=resume, env=self._env.env, callbacks=bridge, policy=factory)
             run = trainer.run()
         finally:
             self._trainer = None
+            ConsoleSink.PROGRESS = progress
         if cb is not None:
             cb.on_training_end()
         self._state = ckpt.load_checkpoint(run.checkpoint)
