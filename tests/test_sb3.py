@@ -290,3 +290,18 @@ def test_tensorboard_log_dirs_follow_sb3_numbering(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "PPO_1").rglob("*"))
     with open(tmp_path / "PPO_1" / "metrics.csv") as f:
         assert len(list(csv.DictReader(f))) == 2
+
+
+def test_sb3_vec_normalize_becomes_ppokit_normalization_and_other_wrappers_are_refused():
+    pytest.importorskip("stable_baselines3", reason="SB3's VecEnv needs pip install -e '.[bench]'")
+    import gymnasium as gym
+    from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
+    from stable_baselines3.common.vec_env import VecFrameStack, VecNormalize
+
+    venv = VecNormalize(sb3_make_vec_env("Pendulum-v1", n_envs=2), norm_reward=False)
+    cfg = PPO("MlpPolicy", venv, n_steps=64, batch_size=64).config
+    assert (cfg.env_id, cfg.num_envs, cfg.normalize_obs, cfg.normalize_reward) == ("Pendulum-v1", 2, True, False)
+    with pytest.raises(SB3Error, match="VecFrameStack has no ppokit counterpart"):
+        PPO("MlpPolicy", VecFrameStack(sb3_make_vec_env("Pendulum-v1", n_envs=2), 4))
+    with pytest.raises(SB3Error, match="wrapped in ClipAction, which ppokit would drop"):
+        PPO("MlpPolicy", sb3_make_vec_env("Pendulum-v1", n_envs=2, wrapper_class=gym.wrappers.ClipAction))
