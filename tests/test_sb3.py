@@ -305,3 +305,15 @@ def test_sb3_vec_normalize_becomes_ppokit_normalization_and_other_wrappers_are_r
         PPO("MlpPolicy", VecFrameStack(sb3_make_vec_env("Pendulum-v1", n_envs=2), 4))
     with pytest.raises(SB3Error, match="wrapped in ClipAction, which ppokit would drop"):
         PPO("MlpPolicy", sb3_make_vec_env("Pendulum-v1", n_envs=2, wrapper_class=gym.wrappers.ClipAction))
+
+
+def test_gymnasium_vector_env_is_rebuilt_from_its_id():
+    import gymnasium as gym
+
+    from ppokit.sb3 import VecEnv
+
+    venv = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync")
+    model = PPO("MlpPolicy", venv, n_steps=32, batch_size=64)
+    assert (model.config.env_id, model.config.num_envs, model.config.vector_mode) == ("CartPole-v1", 4, "sync")
+    assert isinstance(model.get_env(), VecEnv) and model.get_env().num_envs == 4  # SB3's interface for its loops
+    venv.close()
