@@ -87,8 +87,8 @@ def test_the_package_root_has_a_few_modules_and_the_rest_live_in_subpackages():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert top == ["__init__.py", "__main__.py", "_version.py"]
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
-    assert packages == ["analysis", "cli", "config", "core", "diagnostics", "envs", "kernels", "lm", "policies",
-                        "rollout", "runtime", "training", "update"]
+    assert packages == ["analysis", "cli", "config", "core", "diagnostics", "envs", "export", "kernels", "lm",
+                        "policies", "rollout", "runtime", "sb3", "training", "update"]
 
 
 def test_dir_of_the_package_lists_the_public_api():

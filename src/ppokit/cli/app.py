@@ -23,6 +23,7 @@ _COMMAND_MODULES = [
     "ppokit.cli.sweep",
     "ppokit.cli.tune",
     "ppokit.cli.compare",
+    "ppokit.cli.export",
     "ppokit.cli.lm",
 ]
 

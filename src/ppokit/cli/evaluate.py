@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--import-module", action="append", default=[], metavar="MODULE", dest="import_module",
                    help="allow importing MODULE for the run's stored 'MODULE:Env-v0' env id (repeatable)")
     p.add_argument("--seed", type=int, default=10_000, help="seed of the first episode (default: 10000)")
+    p.add_argument("--best", action="store_true", help="evaluate the run's best.pt (the best evaluation of the "
+                   "gate, --eval-every) instead of its latest checkpoint")
     p.set_defaults(handler=run)
 
 
@@ -44,12 +46,38 @@ def _missing_dependency(exc: BaseException) -> str:
     return f"a dependency is missing: {text}"
 
 
+class EvalProgress:
+    """One stderr line per episode once an evaluation has run ``AFTER_S`` seconds, at most one every ``EVERY_S``
+    (a short evaluation prints only its result): episodes done, the mean return so far, the time left."""
+
+    AFTER_S = 3.0
+    EVERY_S = 2.0
+
+    def __init__(self, episodes: int, console):
+        import time
+
+        self.episodes, self.console, self.clock = episodes, console, time.perf_counter
+        self.start = self.last = self.clock()
+        self.total = 0.0
+
+    def __call__(self, done: int, episode_return: float) -> None:
+        self.total += episode_return
+        now = self.clock()
+        if done == self.episodes or now - self.start < self.AFTER_S or now - self.last < self.EVERY_S:
+            return
+        self.last = now
+        left = (now - self.start) / done * (self.episodes - done)
+        self.console.print(f"eval: {done}/{self.episodes} episodes, mean return so far {self.total / done:.2f}, "
+                           f"eta {left:.0f}s", highlight=False, markup=False, soft_wrap=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
     from ppokit.envs.errors import EnvError
     from ppokit.runtime.checkpoint import CheckpointError
+    from ppokit.runtime.rundir import best_checkpoint
     from ppokit.training.agent import evaluate, load
 
     console = Console()
@@ -71,13 +99,15 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return fail(str(exc))
     try:
-        agent = load(args.run_dir, env_id=args.env, allow_import=tuple(args.import_module))
+        source = best_checkpoint(args.run_dir) if args.best else args.run_dir
+        agent = load(source, env_id=args.env, allow_import=tuple(args.import_module))
         if args.video:
             from ppokit.envs.video import prepare_offscreen
 
             prepare_offscreen(args.env or agent.env_id)  # before the env (and MuJoCo's renderer) is built
         result = evaluate(agent, args.env, episodes=args.episodes, deterministic=args.deterministic,
-                          seed=args.seed, video_dir=args.video, env_kwargs=env_kwargs)
+                          seed=args.seed, video_dir=args.video, env_kwargs=env_kwargs,
+                          progress=EvalProgress(args.episodes, err))
     except CheckpointError as exc:
         return fail(str(exc))
     except EnvError as exc:  # the env raised or returned what its spaces do not allow: exit 1, as in train

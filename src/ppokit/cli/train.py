@@ -94,6 +94,8 @@ def add_parser(sub) -> None:
                    help="allow importing MODULE for a 'MODULE:Env-v0' env id that comes from a file (--config, or "
                         "the checkpoint of --resume); an id typed with --env needs no permission (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no live console output (files are still written)")
+    p.add_argument("--progress", action="store_true", help="a progress bar with an ETA on a terminal of any width "
+                   "(a compact one below 100 columns) and an ETA on every plain line when piped")
     p.add_argument("--nproc", type=int, default=None, metavar="K",
                    help="data-parallel training in K processes on this machine: re-launches this command under "
                         "torchrun --standalone --nproc_per_node=K (num_envs is per process, total_timesteps for "
@@ -126,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
 
+    if args.progress:
+        from ppokit.runtime.logger import ConsoleSink
+
+        ConsoleSink.PROGRESS = True
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # one of torchrun's ranks
     if args.nproc is not None and args.nproc > 1 and not launched:
         return _launch(args)  # before torch is imported: this process only waits for torchrun
@@ -220,6 +226,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
         if getattr(args, name) is not None:
             argv.append(f"--{name}={getattr(args, name)}")
     argv += ["--overwrite"] * bool(args.overwrite) + ["--quiet"] * bool(args.quiet) + ["--zoo"] * bool(args.zoo)
+    argv += ["--progress"] * bool(args.progress)
     argv += [f"--import-module={m}" for m in args.import_module]
     for f in dataclasses.fields(PPOConfig):
         value, flag = getattr(args, f.name, None), f.name.replace("_", "-")

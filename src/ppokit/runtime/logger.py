@@ -315,6 +315,9 @@ class ConsoleSink:
     columns would collapse into ``r… l… policy …``."""
 
     WIDE_COLUMNS = 100  # the eleven-column table needs about this many columns
+    # ``ppokit train --progress`` sets it: a bar on a terminal of any width (a compact one below WIDE_COLUMNS: bar,
+    # percent, ETA) and an ETA at the end of every plain line.
+    PROGRESS = False
 
     def __init__(self, total_timesteps: int, log_every: int = 10, console: Console | None = None, enabled: bool = True):
         if int(total_timesteps) <= 0:
@@ -334,9 +337,10 @@ class ConsoleSink:
         self._closed = False
         self._progress = None
         self._task = None
-        self.plain = not (self.console.is_terminal and not self.console.is_dumb_terminal
-                          and self.console.width >= self.WIDE_COLUMNS)
-        if self.enabled and not self.plain:
+        terminal = self.console.is_terminal and not self.console.is_dumb_terminal
+        self.plain = not (terminal and self.console.width >= self.WIDE_COLUMNS)
+        self._started: tuple[float, int] | None = None  # (time, step) of the first update this process logged
+        if self.enabled and (not self.plain or (self.PROGRESS and terminal)):
             # Imported here: piped runs (CI, scripts, tests) never draw a bar.
             from rich.progress import (
                 BarColumn,
@@ -348,14 +352,12 @@ class ConsoleSink:
                 TimeRemainingColumn,
             )
 
+            columns = ((TextColumn("{task.description}"), BarColumn(bar_width=None), TaskProgressColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+                       if not self.plain else  # what fits 40 columns: the bar takes what is left
+                       (BarColumn(bar_width=None), TaskProgressColumn(), TextColumn("eta"), TimeRemainingColumn()))
             self._progress = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(bar_width=None),
-                TaskProgressColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
+                *columns,
                 console=self.console,
                 # Redirecting sys.stdout only makes sense for the real terminal, never an injected console.
                 redirect_stdout=not injected,
@@ -394,7 +396,20 @@ class ConsoleSink:
         for label, keys, fmt in _LINE_FIELDS:
             value = _first(self._latest, keys)
             parts.append(f"{label} {'-' if value is None else fmt(value)}")
+        if self.PROGRESS:
+            parts.append(f"eta {self.eta()}")
         return " ".join(parts)
+
+    def eta(self) -> str:
+        """The time left at this process's rate so far (``1h02m``, ``3m05s``, ``42s``; ``-`` before a rate)."""
+        if self._started is None:
+            return "-"
+        seconds, step = time.perf_counter() - self._started[0], self._step - self._started[1]
+        if step <= 0 or seconds <= 0:
+            return "-"
+        left = int(round(max(0, self.total_timesteps - self._step) * seconds / step))
+        hours, rest = divmod(left, 3600)
+        return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
 
     def table(self, step: int):
         """A one-row table of the key metrics seen so far."""
@@ -418,6 +433,8 @@ class ConsoleSink:
         for key, value in metrics.items():
             if _is_finite(value):
                 self._latest[key] = _as_float(value)
+        if self._started is None:  # the rate counts from the first update (a resume starts far from 0)
+            self._started = (time.perf_counter(), int(step))
         self._step = int(step)
         self._updates += 1
         update = metrics.get("update")

@@ -28,19 +28,22 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "RUN_FILES", "RunDirError", "RunLock", "Claim", "acquire_lock", "claim",
+__all__ = ["LOCK_NAME", "RUN_FILES", "BEST_NAME", "best_checkpoint", "RunDirError", "RunLock", "Claim", "acquire_lock", "claim",
            "trim_to_checkpoint", "update_latest_link"]
 
 LOCK_NAME = ".lock"
 # A directory holding any of these holds a run; starting a fresh one there would mix the two.
 RUN_FILES = ("config.toml", "metrics.csv", "checkpoint.pt")
+# The checkpoint of the best deterministic evaluation so far (the evaluation gate, eval_every), as SB3's EvalCallback
+# keeps best_model.zip.
+BEST_NAME = "best.pt"
 # Everything a run writes into its directory: what --overwrite removes. Other files (the user's) are kept.
 # lm_run.json, trainer_state.pt, value_model.safetensors and policy/: what the language-model trainers write.
-_OUTPUT_FILES = (*RUN_FILES, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
+_OUTPUT_FILES = (*RUN_FILES, BEST_NAME, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
                  "trainer_state.pt", "value_model.safetensors")
 _OUTPUT_DIRS = ("tb", "videos", "wandb", "policy")  # policy: POLICY_DIR  # videos: --capture-video; wandb: --track
 # Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their policy/ directory).
-_TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
+_TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".best.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
 POLICY_DIR = "policy"  # an LM run's save_pretrained directory
 
 
@@ -57,6 +60,18 @@ _HELD: set[str] = set()
 
 class RunDirError(ValueError):
     """The run dir cannot be used: locked by a live run, holding another run, or not a directory."""
+
+
+def best_checkpoint(run_dir: str | os.PathLike) -> Path:
+    """``run_dir/best.pt``; RunDirError saying how a run gets one when it has none."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"--best needs a run directory, got {run_dir} (not a directory)")
+    path = run_dir / BEST_NAME
+    if not path.is_file():
+        raise RunDirError(f"{run_dir} has no {BEST_NAME}: the evaluation gate keeps it (train with --eval-every N "
+                          "--eval-threshold R)")
+    return path
 
 
 @dataclass

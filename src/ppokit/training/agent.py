@@ -416,8 +416,9 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
 
 def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, deterministic: bool = True,
              seed: int = 10_000, video_dir: str | Path | None = None, *, env: Any = None,
-             env_kwargs: dict | None = None) -> dict[str, Any]:
+             env_kwargs: dict | None = None, progress: Any = None) -> dict[str, Any]:
     """Run ``episodes`` full episodes; returns ``{"mean", "std", "returns", "lengths"}`` of raw returns.
+    ``progress(done, return)``, when given, is called after each episode.
 
     ``env_id`` (or ``env``: an id, a zero-arg factory or a ``gymnasium.Env``) defaults to the env the agent was
     loaded for; another env must have the run's spaces. ``env_kwargs`` default to the run's for the run's own
@@ -480,6 +481,8 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
                 done = terminated or truncated
             returns.append(total)
             lengths.append(n)
+            if progress is not None:
+                progress(ep + 1, total)
     finally:
         try:
             env.close()

@@ -48,6 +48,30 @@ class TrainerCheckpoint:
             "spaces": spaces_record(self.envs.single_observation_space, self.envs.single_action_space),
         }
 
+    def save_best(self, eval_return: float) -> bool:
+        """Write the full train state to ``best.pt`` when ``eval_return`` beats every earlier evaluation of the run
+        (a resumed run continues from the best that ``best.pt`` records); True when it wrote."""
+        import math
+
+        from ppokit.runtime.rundir import BEST_NAME
+
+        path = self.run_dir / BEST_NAME
+        best = getattr(self, "_best_eval", None)
+        if best is None:
+            best = -math.inf
+            if path.is_file():
+                try:
+                    best = float(ckpt.load_checkpoint(path).get("best_eval_return", -math.inf))
+                except ckpt.CheckpointError:
+                    pass  # a damaged best.pt is replaced by the next evaluation
+        if not (math.isfinite(eval_return) and eval_return > best):
+            self._best_eval = best
+            return False
+        ckpt.save_checkpoint(path, {**self.state(), "best_eval_return": float(eval_return)},
+                             finite=ckpt.LEARNER_KEYS, bounded=ckpt.BOUNDED_KEYS)
+        self._best_eval = float(eval_return)
+        return True
+
     def save(self, state: dict[str, Any] | None = None) -> Path:
         """Write ``state`` (default: the full train state) atomically into the run dir; a failed write raises
         CheckpointError and keeps the old file."""

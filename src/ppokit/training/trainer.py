@@ -314,6 +314,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                     metrics[S.EVAL_RETURN] = float("nan")
                     if self.update_idx % cfg.eval_every == 0:
                         metrics[S.EVAL_RETURN] = self.dist.from_main(self.evaluate_gate)
+                        if self.dist.is_main:
+                            self.save_best(metrics[S.EVAL_RETURN])  # best.pt: the best evaluation so far
                         self._solved = metrics[S.EVAL_RETURN] >= cfg.eval_threshold
                 self.metrics.append(metrics)
                 self.logger.log(self.global_step, metrics)
