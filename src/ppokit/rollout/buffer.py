@@ -41,6 +41,9 @@ class RolloutBuffer:
     # [T, N, n_logits] bool: the actions the env allowed at s_t (True = allowed); None when the env has no masks,
     # so an unmasked run stores and computes nothing more.
     masks: Tensor | None = None
+    # [T, N] int64: the version of the policy that acted at each step (``RolloutSource.publish``'s numbering);
+    # the learner's version minus the oldest of them is the batch's policy lag.
+    policy_version: Tensor | None = None
 
     @classmethod
     def allocate(cls, num_steps: int, num_envs: int, obs_dim: int | tuple | dict, action_shape: tuple[int, ...],
@@ -74,6 +77,7 @@ class RolloutBuffer:
             final_values=z(T, N),
             has_final=z(T, N, dtype=torch.bool),
             masks=None if mask_dim is None else z(T, N, mask_dim, dtype=torch.bool),
+            policy_version=z(T, N, dtype=torch.int64),
         )
 
     def next_values(self, last_values: Tensor) -> Tensor:

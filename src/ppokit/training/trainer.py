@@ -29,6 +29,8 @@ from ppokit.core.seeding import seed_everything
 from ppokit.diagnostics.monitor import Monitor, episode_time_limit
 from ppokit.envs.encoders import obs_index, obs_map, observation_encoder
 from ppokit.envs.errors import EnvError
+from ppokit.envs.masks import action_masks_available, forget_probe_reset
+from ppokit.envs.run_envs import make_eval_envs, make_train_envs
 from ppokit.envs.watchdog import EnvWatchdog, close_vector_env
 from ppokit.kernels.acting import ActingKernel
 from ppokit.kernels.flat_adam import FlatAdam
@@ -36,15 +38,10 @@ from ppokit.kernels.fused_step import FusedStep
 from ppokit.kernels.mlp_backward import supports as fused_supports
 from ppokit.policies import ActorCritic, Policy, build_policy
 from ppokit.policies.build import policy_parameters
-from ppokit.rollout.collector import (
-    Collector,
-    action_masks_available,
-    evaluate_first_episodes,
-    forget_probe_reset,
-    make_eval_envs,
-    make_train_envs,
-)
+from ppokit.rollout.collector import Collector
+from ppokit.rollout.evaluation import evaluate_first_episodes
 from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
+from ppokit.rollout.source import RolloutBackend, RolloutSource, policy_lag
 from ppokit.runtime import checkpoint as ckpt
 from ppokit.runtime import distributed
 from ppokit.runtime.interrupts import install_sigint as _install_sigint
@@ -90,6 +87,8 @@ def default_run_dir(config: PPOConfig) -> Path:
 
 class Trainer(TrainerLifecycle, TrainerCheckpoint):
     """PPO train state plus the loop. Build with a validated config; ``run()`` trains to ``total_timesteps``."""
+
+    collector: RolloutSource  # where every rollout comes from (``rollout.source``); the weights go back to it
 
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
@@ -274,6 +273,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         start_time = time.perf_counter()
         start_step = self.global_step
         saved_update = self.update_idx  # the update the run dir's checkpoint holds (none yet counts as current)
+        self.collector.publish(self.policy, self.update_idx)  # the weights the first rollout acts with
         try:
             while (self.update_idx < self.num_updates and not self._stop_requested and not self._solved
                    and self._callback_stop is None):
@@ -304,11 +304,14 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 self.perf["update"] += time.perf_counter() - t0
                 self.update_idx += 1
                 self.dist.after_update(self.policy, self.update_idx)
+                self.collector.publish(self.policy, self.update_idx)  # the next rollout's weights, numbered
 
                 # 4. Log
                 t0 = time.perf_counter()
                 metrics = self._metrics(stats, episodes, nonfinite_env, batch, advantages, lr, clip_coef,
                                         start_step, start_time, kl_after)
+                if self.collector.stale:  # in process every sample is of the current policy: no column
+                    metrics[S.POLICY_LAG] = float(self.policy_lag)
                 if cfg.eval_every:
                     # Evaluation gate: a cheap deterministic evaluation that ends the run once it is solved.
                     metrics[S.EVAL_RETURN] = float("nan")
@@ -379,10 +382,13 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
 
     # ================================================================== 1. rollout
     def collect_rollout(self) -> tuple[list[tuple[float, int]], int]:
-        """Fill the buffer with ``num_steps`` steps of every env (``collector.Collector``); returns (finished
-        episodes, non-finite steps)."""
-        episodes, nonfinite = self.collector.collect(self.global_step)
+        """Fill the buffer with ``num_steps`` steps of every env from the rollout source; returns (finished
+        episodes, non-finite steps). ``policy_lag``: how many updates behind the learner the oldest acting
+        policy of the batch was."""
+        source = self.collector
+        episodes, nonfinite = source.collect(self.global_step)
         self.global_step += self.config.num_steps * self.config.num_envs * self.dist.world_size
+        self.policy_lag = policy_lag(source.buffer, self.update_idx)
         return episodes, nonfinite
 
     @property
@@ -403,8 +409,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
 
         return evaluate_first_episodes(self._eval_envs, self.policy, actor, self.collector.normalize,
                                        seed=cfg.seed + 7919 * (self.update_idx + 1), max_steps=self._eval_max_steps,
-                                       env_id=cfg.env_id, global_step=self.global_step,
-                                       action_bounds=self.collector.action_bounds, fail=failed,
+                                       env_id=cfg.env_id, global_step=self.global_step, fail=failed,
                                        watchdog=self.watchdog)
 
     # ================================================================== 2. advantages
@@ -528,7 +533,7 @@ def _adam_kwargs(device: torch.device) -> dict:
 
 def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: Any = None,
           console_enabled: bool = True, overwrite: bool = False, env: Any = None, callbacks: Any = None,
-          rollout: Any = None, policy: Any = None, **overrides: Any) -> Run:
+          rollout: RolloutBackend | None = None, policy: Any = None, **overrides: Any) -> Run:
     """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
 
     ``config`` may be an env id: ``train("CartPole-v1")`` trains ``PPOConfig.for_env("CartPole-v1")``, the
@@ -548,7 +553,8 @@ def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: A
     checkpoint) and/or ``on_checkpoint(path)``, or plain functions taken as ``on_update`` (see ``callbacks``).
 
     ``rollout``: a rollout backend instead of ``collector.Collector`` (a callable taking Collector's arguments and
-    returning a ``rollout.source.RolloutSource``), e.g. remote rollout workers; the learner is unchanged.
+    returning a ``rollout.source.RolloutSource``, the protocol documented there), e.g. remote rollout workers;
+    the learner is unchanged.
 
     ``policy``: a factory ``(observation_space, action_space, config) -> Policy`` instead of
     ``policies.build_policy`` (e.g. a type registered with ``register_policy``, so ``load`` rebuilds it).
@@ -563,7 +569,7 @@ def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: A
 
 def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
            console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = (), env: Any = None,
-           callbacks: Any = None, rollout: Any = None, policy: Any = None) -> Run:
+           callbacks: Any = None, rollout: RolloutBackend | None = None, policy: Any = None) -> Run:
     """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
 
     A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
