@@ -134,7 +134,7 @@ class Collector(EnvLoop):
     def collect(self, global_step: int) -> tuple[Episodes, int]:
         """Fill the buffer with ``num_steps`` steps of every env, starting at ``global_step``; returns (finished
         episodes, non-finite steps). The caller advances its step count by ``num_steps * num_envs``."""
-        self.buffer.policy_version.fill_(self.policy_version)
+        self.buffer.policy_version.fill_(self.policy_version)  # every step acts with the live, published policy
         if self._one_env:
             # One in-process env on the CPU: the same loop on scalars (one_env.py), bit for bit.
             result = one_env.collect_one_env(self, global_step)

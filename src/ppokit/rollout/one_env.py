@@ -1,5 +1,8 @@
 """The one-env rollout on a CPU device: ``Collector.collect``'s loop, bit for bit, with scalar bookkeeping.
 
+It is the env-stepping loop's one-env strategy: what a step means (transition or not, NaN/Inf, the episode
+statistics, ``episode_start``) is decided by ``loop.one_env_step``, the scalar twin of ``loop.EnvLoop.step``.
+
 With one environment (MuJoCo's usual setting, the ``mujoco`` preset) the general loop handles every step's
 results as ``[1]``-shaped numpy arrays and ``[1, ...]`` tensors: some thirty array ops, four tensor copies into
 the buffer and the vector env's own batching, each a microsecond or more for one value. Measured on Hopper-v5

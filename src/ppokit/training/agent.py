@@ -418,7 +418,8 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
 def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, deterministic: bool = True,
              seed: int = 10_000, video_dir: str | Path | None = None, *, env: Any = None,
              env_kwargs: dict | None = None) -> dict[str, Any]:
-    """Run ``episodes`` full episodes; returns ``{"mean", "std", "returns", "lengths"}`` of raw returns.
+    """Run ``episodes`` full episodes; returns ``{"mean", "std", "returns", "lengths"}`` of raw returns (over the
+    finite steps: the rollout's loop, ``rollout.loop``, steps the env, so a NaN/Inf step counts nothing).
 
     ``env_id`` (or ``env``: an id, a zero-arg factory or a ``gymnasium.Env``) defaults to the env the agent was
     loaded for; another env must have the run's spaces. ``env_kwargs`` default to the run's for the run's own
@@ -450,12 +451,10 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
     except ValueError:
         env.close()
         raise
-    if video_dir:
-        import gymnasium as gym
-
-        env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda i: True, disable_logger=True)
     import gymnasium as gym
 
+    if video_dir:
+        env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda i: True, disable_logger=True)
     from ppokit.envs.errors import env_failure
     from ppokit.rollout.evaluation import first_episodes, policy_actor
 
@@ -469,7 +468,11 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
 
     # The env as a vector env of one, stepped by the rollout's loop (NaN/Inf, checks, masks, policy state as
     # there); NEXT_STEP autoreset, so nothing is reset after an episode ends before the next seeded reset.
-    vec = gym.vector.SyncVectorEnv([lambda: env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    try:
+        vec = gym.vector.SyncVectorEnv([lambda: env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    except Exception:
+        env.close()
+        raise
     policy = agent.policy
     normalize = agent.obs_norm.normalize if agent.obs_norm is not None else (lambda x: x)
     act = policy_actor(policy, policy.actor, normalize, agent.device, deterministic)
