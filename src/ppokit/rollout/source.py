@@ -44,11 +44,17 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ppokit.rollout.buffer import RolloutBuffer
+from ppokit.core.batch import Field
+from ppokit.rollout.buffer import RolloutBuffer, declare_step_field
 
 __all__ = ["Episodes", "RolloutBackend", "RolloutSource", "policy_lag"]
 
 Episodes = list[tuple[float, int]]  # (raw return, length) of each episode finished in a rollout
+
+# Every source writes it: the version (``publish``'s numbering) of the policy that acted at each step. It stays in
+# the rollout (the update does not read it); the learner's version minus its oldest entry is the policy lag.
+POLICY_VERSION = declare_step_field(Field("policy_version", (), torch.int64,
+                                          doc="the version of the policy that acted at step t"))
 
 
 @runtime_checkable
