@@ -7,6 +7,8 @@ checkpoints. What it adds to the loop:
 
 * pi_old's actions, log-probs and values, the observations as the policy saw them, the masks acted on, and the
   policy version that acted, written into the buffer step by step; rewards and flags moved in one transfer;
+* for a stateful policy, the state passed into each act and its ``episode_start``, stored per step
+  (``RolloutBuffer.record_state``, from which the update replays each chunk); nothing for a stateless one;
 * the normalizers: observation statistics updated on the finite steps, rewards scaled as they arrive;
 * under SAME_STEP autoreset a truncated episode's value bootstrapped from ``info["final_obs"]``, since the
   observation returned is already the next episode's;
@@ -62,7 +64,8 @@ class Collector(EnvLoop):
             raise ConfigError("normalize_obs", f"observation normalization applies to float vector observations; "
                               f"{envs.single_observation_space} is {self.encoder.what}: set normalize_obs = false")
         self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device, self.mask_dim,
-                                      obs_layout=self.encoder.layout())
+                                      obs_layout=self.encoder.layout(),
+                                      policy_state=policy.initial_state(self.num_envs))
         # One env on the CPU: the normalizers' per-step arithmetic runs on the host, bit for bit (hostnorm).
         self.host_norm = HostNormalizers(obs_norm, reward_scaler) \
             if HostNormalizers.applies(self.num_envs, device, obs_norm, reward_scaler) else None
@@ -158,9 +161,12 @@ class Collector(EnvLoop):
         inference = torch.inference_mode()
         obs = self.normalize(obs_to_tensor(self.next_obs_raw, dev))  # what the policy acts on at step t
         env_actions_of = self.env_actions
+        stateful = buf.policy_state is not None
 
         def act_and_store(t: int) -> np.ndarray:
             # pi_old acts; the observation it saw, its action, log-prob and value (and the mask) go to row t.
+            if stateful:  # what act is given: a sequence minibatch replays each chunk from it
+                buf.record_state(t, self.policy_state, self.episode_start)
             if self.masked:
                 mask = torch.as_tensor(self.next_mask, device=dev)
                 buf.masks[t].copy_(mask)
@@ -246,16 +252,17 @@ class Collector(EnvLoop):
 
 
 def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.device,
-                    mask_dim: int | None = None, obs_layout: Any = None) -> RolloutBuffer:
+                    mask_dim: int | None = None, obs_layout: Any = None, policy_state: Any = None) -> RolloutBuffer:
     """The rollout buffer for ``policy``'s observations and actions: ``[T, N]`` long actions (discrete),
     ``[T, N, k]`` long (multidiscrete, k sub-actions), ``[T, N, D]`` float32 (continuous); observations in the
-    encoder's ``obs_layout`` (default: ``policy.obs_dim`` float32 features)."""
+    encoder's ``obs_layout`` (default: ``policy.obs_dim`` float32 features); a stateful policy's state and episode
+    starts where ``policy_state`` (its ``initial_state(num_envs)``) is not None."""
     if policy.kind == "continuous":
         action_shape: tuple[int, ...] = (policy.action_dims[0],)
     else:
         action_shape = () if policy.kind == "discrete" else (len(policy.action_dims),)
     action_dtype = torch.float32 if policy.kind == "continuous" else torch.long
     return RolloutBuffer.allocate(num_steps, num_envs, policy.obs_dim if obs_layout is None else obs_layout,
-                                  action_shape, action_dtype, device, mask_dim)
+                                  action_shape, action_dtype, device, mask_dim, policy_state)
 
 
