@@ -17,8 +17,8 @@ from ppokit.cli import main
 from ppokit.config.ppo_config import PPOConfig, load_preset
 from ppokit.core.objectives import categorical_entropy
 from ppokit.envs import GRIDWORLD_WALLS_ID, GridWorldWallsEnv
+from ppokit.envs.masks import action_masks_available, read_action_masks
 from ppokit.policies import ActorCritic, mask_logits
-from ppokit.rollout.collector import action_masks_available, read_action_masks
 from ppokit.runtime.checkpoint import load_checkpoint
 from ppokit.training.trainer import Trainer
 from ppokit.update.autograd import AutogradStep

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Metric", "METRICS", "LM_METRICS", "THRESHOLDS", "perf_time", "perf_frac", "KL_WARN", "KL_ALERT", "CLIPFRAC_HEALTHY",
+__all__ = ["Metric", "METRICS", "LM_METRICS", "STALE_SOURCE_METRICS", "THRESHOLDS", "perf_time", "perf_frac", "KL_WARN", "KL_ALERT", "CLIPFRAC_HEALTHY",
            "CLIPFRAC_HIGH", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE", "KL_STOP_FACTOR", "EV_MIN"]
 
 
@@ -111,6 +111,11 @@ SKIPPED_MINIBATCHES = _metric("diag/skipped_minibatches", "minibatches skipped f
 NONFINITE_ENV = _metric("diag/nonfinite_env", "env steps with NaN/Inf observations or rewards (dropped)", "0")
 ADVANTAGES_NONFINITE = _metric("diag/advantages_nonfinite", "NaN/Inf advantages", "0")
 REWARD_STD = _metric("diag/reward_std", "std of the rollout's raw per-step rewards (0 for CartPole's constant +1)")
+POLICY_LAG = _metric("diag/policy_lag", "the learner's policy version (updates so far) minus the oldest version that "
+                     "acted in the update's batch (in process it is 0, and not logged)",
+                     "small and steady; growing: the actors fall behind the learner")
+# Logged only with a rollout source whose actors may act with older weights (``rollout.source``, ``stale``).
+STALE_SOURCE_METRICS: list[str] = [POLICY_LAG]
 ADVANTAGE_STD = _metric("diag/advantage_std", "std of the batch's advantages before normalization", "> 0")
 
 SPS = _metric("perf/sps", "environment steps per second since the run (or resume) started")

@@ -1,5 +1,8 @@
 """The one-env rollout on a CPU device: ``Collector.collect``'s loop, bit for bit, with scalar bookkeeping.
 
+It is the env-stepping loop's one-env strategy: what a step means (transition or not, NaN/Inf, the episode
+statistics, ``episode_start``) is decided by ``loop.one_env_step``, the scalar twin of ``loop.EnvLoop.step``.
+
 With one environment (MuJoCo's usual setting, the ``mujoco`` preset) the general loop handles every step's
 results as ``[1]``-shaped numpy arrays and ``[1, ...]`` tensors: some thirty array ops, four tensor copies into
 the buffer and the vector env's own batching, each a microsecond or more for one value. Measured on Hopper-v5
@@ -25,7 +28,6 @@ failure is raised. ``applies`` says when it runs; ``Collector.one_env_path = Fal
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -35,6 +37,7 @@ import torch
 from ppokit.envs.encoders import BoxEncoder
 from ppokit.envs.factory import one_env_steppable, step_one_env
 from ppokit.envs.watchdog import EnvTimeout
+from ppokit.rollout.loop import one_env_step
 
 __all__ = ["applies", "collect_one_env"]
 
@@ -78,7 +81,7 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
     last_np = last.numpy()[0]
     bounds = c.action_bounds
     low, high = bounds if bounds is not None else (None, None)
-    same_step = c.same_step
+    same_step, encoder = c.same_step, c.encoder
     inference = torch.inference_mode()
     # The loop state as scalars; written back to the collector at the end and before any failure is raised.
     ep_ret, ep_len, prev_done = float(c.ep_return[0]), int(c.ep_length[0]), bool(c.prev_done[0])
@@ -102,8 +105,11 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
 
     # Step 0 acts on the observation the last rollout (or the reset) left, normalized by the current statistics.
     normalized_into(obs_np[0], next_raw, update=False)
+    stateful = buf.policy_state is not None
     for t in range(T):
         t0 = time.perf_counter()
+        if stateful:  # what act is given: a sequence minibatch replays each chunk from it
+            buf.record_state(t, state, episode_start)
         if kernel:
             with inference:
                 state = act(obs_rows[t], state, episode_start, out=(act_rows[t], logp_rows[t], value_rows[t]))[3]
@@ -129,31 +135,17 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
             raise c.fail(step, rollout_start, exc) from exc
         step += 1
         raw = batch_obs.astype(np.float32).reshape(1, -1)  # the encoder's conversion; a fresh array
-        # NEXT_STEP autoreset: a step right after an episode end only resets the env; it is no transition.
-        valid = same_step or not prev_done
-        if not (math.isfinite(reward) and math.isfinite(float(raw.sum()))) and (
-                not math.isfinite(reward) or not np.isfinite(raw).all()):
-            # NaN/Inf from the env is detected and never trained on (a finite sum proves a finite row; an
-            # infinite one may be overflow, hence the exact test).
+        # The loop's decisions (loop.py): transition or not, NaN/Inf, the episode statistics, episode_start.
+        valid, bad, done, reward, raw, ep_ret, ep_len, finished, start = one_env_step(
+            encoder, same_step, prev_done, ep_ret, ep_len, reward, raw, terminated, truncated)
+        if bad:
             nonfinite += 1
-            raw = c.encoder.zero_nonfinite(raw)
-            reward = reward if math.isfinite(reward) else 0.0
-            valid, bad = False, True
-        else:
-            bad = False
-        done = terminated or truncated
-        # Episode statistics on raw rewards.
-        if valid:
-            ep_ret += reward
-            ep_len += 1
+        elif valid:
             any_valid = True
-            if done:
-                ep_returns.append(ep_ret)
-                ep_lengths.append(ep_len)
-        if done:
-            ep_ret, ep_len = 0.0, 0
-        # As in the general loop: this step ended an episode (SAME_STEP) or was the reset after one (NEXT_STEP).
-        episode_start = _EPISODE_START[done if same_step else prev_done]
+        if finished is not None:
+            ep_returns.append(finished[0])
+            ep_lengths.append(finished[1])
+        episode_start = _EPISODE_START[start]
         prev_done = done
         rew_np[t] = hn.scale(reward, done) if scaler is not None else reward
         term_np[t], trunc_np[t], valid_np[t] = terminated, truncated, valid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -417,7 +418,8 @@ def load(run_dir: str | Path, device: str = "cpu", *, env_id: str | None = None,
 def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, deterministic: bool = True,
              seed: int = 10_000, video_dir: str | Path | None = None, *, env: Any = None,
              env_kwargs: dict | None = None, progress: Any = None) -> dict[str, Any]:
-    """Run ``episodes`` full episodes; returns ``{"mean", "std", "returns", "lengths"}`` of raw returns.
+    """Run ``episodes`` full episodes; returns ``{"mean", "std", "returns", "lengths"}`` of raw returns (over the
+    finite steps: the rollout's loop, ``rollout.loop``, steps the env, so a NaN/Inf step counts nothing).
     ``progress(done, return)``, when given, is called after each episode.
 
     ``env_id`` (or ``env``: an id, a zero-arg factory or a ``gymnasium.Env``) defaults to the env the agent was
@@ -450,45 +452,43 @@ def evaluate(agent: Agent, env_id: str | None = None, episodes: int = 10, determ
     except ValueError:
         env.close()
         raise
-    if video_dir:
-        import gymnasium as gym
+    import gymnasium as gym
 
+    if video_dir:
         env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda i: True, disable_logger=True)
     from ppokit.envs.errors import env_failure
+    from ppokit.rollout.evaluation import first_episodes, policy_actor
 
-    returns, lengths = [], []
+    returns: list[float] = []
+    lengths: list[int] = []
     steps = 0
 
-    def env_call(phase: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def failed(phase: str, at: int, exc: BaseException) -> Exception:
         # An env that raises is one EnvError line naming it (``ppokit eval`` prints it), not its traceback.
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
-            raise env_failure(str(env_id), phase, steps, exc) from exc
+        return env_failure(str(env_id), phase, at, exc)
 
+    # The env as a vector env of one, stepped by the rollout's loop (NaN/Inf, checks, masks, policy state as
+    # there); NEXT_STEP autoreset, so nothing is reset after an episode ends before the next seeded reset.
+    try:
+        vec = gym.vector.SyncVectorEnv([lambda: env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    except Exception:
+        env.close()
+        raise
+    policy = agent.policy
+    normalize = agent.obs_norm.normalize if agent.obs_norm is not None else (lambda x: x)
+    act = policy_actor(policy, policy.actor, normalize, agent.device, deterministic)
     try:
         for ep in range(episodes):
-            obs, info = env_call("reset()", env.reset, seed=seed + ep)
-            total, n, done, state = 0.0, 0, False, None
-            while not done:
-                # predict: a stateful policy gets its state back each step (a fresh one each episode).
-                action, state = agent.predict(obs, state, n == 0, deterministic=deterministic,
-                                              action_mask=_env_mask(env, info, agent.policy))
-                obs, reward, terminated, truncated, info = env_call("step()", env.step, action)
-                total += float(reward)
-                n += 1
-                steps += 1
-                done = terminated or truncated
-            returns.append(total)
-            lengths.append(n)
+            ret, length, steps = first_episodes(vec, policy, act, seed=seed + ep, max_steps=sys.maxsize,
+                                                env_id=str(env_id), fail=failed, step=steps, stride=1)
+            returns.append(float(ret[0]))
+            lengths.append(int(length[0]))
             if progress is not None:
-                progress(ep + 1, total)
+                progress(ep + 1, returns[-1])
     finally:
         try:
-            env.close()
+            vec.close()
         except Exception as exc:  # noqa: BLE001 - the episodes are done; a close() that raises costs one line
-            import sys
-
             print(f"warning: {env_failure(str(env_id), 'close()', steps, exc)}", file=sys.stderr)
     return {"mean": float(np.mean(returns)), "std": float(np.std(returns)), "returns": returns, "lengths": lengths}
 
@@ -504,15 +504,3 @@ def _make_eval_env(env_id: str | None, render_mode: str | None = None, env_kwarg
     if env_fn is None and is_atari_id(env_id):
         return make_atari_env(env_id, env_kwargs, train=False, render_mode=render_mode)
     return make_eval_env(env_id, render_mode=render_mode, env_kwargs=env_kwargs, env_fn=env_fn)
-
-
-def _env_mask(env: Any, info: dict, policy: ActorCritic) -> Any:
-    """The env's action mask for its current observation (``info["action_mask"]``, else an ``action_masks()``
-    method), or None: an env without masks is acted on exactly as before."""
-    if policy.kind == "continuous":
-        return None
-    mask = info.get("action_mask") if isinstance(info, dict) else None
-    has = getattr(env, "has_wrapper_attr", None)  # gymnasium.Env's; a duck-typed env may lack it
-    if mask is None and has is not None and has("action_masks"):
-        mask = env.get_wrapper_attr("action_masks")()
-    return mask

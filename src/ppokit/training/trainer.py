@@ -27,8 +27,10 @@ from ppokit.core.objectives import explained_variance
 from ppokit.core.schema import PERF_PHASES
 from ppokit.core.seeding import seed_everything
 from ppokit.diagnostics.monitor import Monitor, episode_time_limit
-from ppokit.envs.encoders import obs_index, obs_map, observation_encoder
+from ppokit.envs.encoders import observation_encoder
 from ppokit.envs.errors import EnvError
+from ppokit.envs.masks import action_masks_available, forget_probe_reset
+from ppokit.envs.run_envs import make_eval_envs, make_train_envs
 from ppokit.envs.watchdog import EnvWatchdog, close_vector_env
 from ppokit.kernels.acting import ActingKernel
 from ppokit.kernels.flat_adam import FlatAdam
@@ -36,22 +38,17 @@ from ppokit.kernels.fused_step import FusedStep
 from ppokit.kernels.mlp_backward import supports as fused_supports
 from ppokit.policies import ActorCritic, Policy, build_policy
 from ppokit.policies.build import policy_parameters
-from ppokit.rollout.collector import (
-    Collector,
-    action_masks_available,
-    evaluate_first_episodes,
-    forget_probe_reset,
-    make_eval_envs,
-    make_train_envs,
-)
+from ppokit.rollout.collector import Collector
+from ppokit.rollout.evaluation import evaluate_first_episodes
 from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
+from ppokit.rollout.source import RolloutBackend, RolloutSource, policy_lag
 from ppokit.runtime import checkpoint as ckpt
 from ppokit.runtime import distributed
 from ppokit.runtime.interrupts import install_sigint as _install_sigint
 from ppokit.training.lifecycle import TrainerLifecycle
 from ppokit.training.state import CHECKPOINT_NAME, TrainerCheckpoint
 from ppokit.update.autograd import AutogradStep
-from ppokit.update.epochs import Batch, UpdateSettings, ppo_epochs
+from ppokit.update.epochs import Batch, SequenceBatch, UpdateSettings, ppo_epochs
 
 __all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
 
@@ -90,6 +87,8 @@ def default_run_dir(config: PPOConfig) -> Path:
 
 class Trainer(TrainerLifecycle, TrainerCheckpoint):
     """PPO train state plus the loop. Build with a validated config; ``run()`` trains to ``total_timesteps``."""
+
+    collector: RolloutSource  # where every rollout comes from (``rollout.source``); the weights go back to it
 
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
@@ -139,6 +138,10 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         try:
             self.policy = (build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation) if policy is None
                            else policy(obs_space, act_space, cfg)).to(self.device)
+            if self.policy.initial_state(1) is not None and not hasattr(self.policy, "evaluate_sequence"):
+                raise ConfigError("policy", f"{type(self.policy).__name__} is stateful (initial_state is not None) "
+                                  "but has no evaluate_sequence; a stateful policy trains on sequences "
+                                  "(policies.StatefulPolicy)")
         except BaseException:
             self.envs.close()
             raise
@@ -274,6 +277,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         start_time = time.perf_counter()
         start_step = self.global_step
         saved_update = self.update_idx  # the update the run dir's checkpoint holds (none yet counts as current)
+        self.collector.publish(self.policy, self.update_idx)  # the weights the first rollout acts with
         try:
             while (self.update_idx < self.num_updates and not self._stop_requested and not self._solved
                    and self._callback_stop is None):
@@ -296,19 +300,23 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 # 3. K epochs of minibatch updates
                 t0 = time.perf_counter()
                 step = FusedStep(self.policy, self.optimizer) if self.fused else AutogradStep(self.policy, self.optimizer)
-                settings = self.dist.agree_minibatches(self.update_settings(clip_coef), len(batch))
-                stats = self.epoch_loop(batch, settings, step, sync=self.dist.sync)  # sync: None in one process
-                kl_after = self.dist.mean(self.batch_kl(batch))  # how far this update moved pi_theta from pi_old
+                update_batch = self.update_batch(batch, advantages, returns)  # rows, or env sequences
+                settings = self.dist.agree_minibatches(self.update_settings(clip_coef), len(update_batch))
+                stats = self.epoch_loop(update_batch, settings, step, sync=self.dist.sync)  # sync: None in 1 process
+                kl_after = self.dist.mean(self.batch_kl(update_batch))  # how far this update moved pi_theta
                 if self.algo.after_update is not None:  # ppo-kl: the adaptive penalty's beta rule
                     self.kl_beta = self.algo.after_update(self.kl_beta, kl_after, cfg)
                 self.perf["update"] += time.perf_counter() - t0
                 self.update_idx += 1
                 self.dist.after_update(self.policy, self.update_idx)
+                self.collector.publish(self.policy, self.update_idx)  # the next rollout's weights, numbered
 
                 # 4. Log
                 t0 = time.perf_counter()
                 metrics = self._metrics(stats, episodes, nonfinite_env, batch, advantages, lr, clip_coef,
                                         start_step, start_time, kl_after)
+                if self.collector.stale:  # in process every sample is of the current policy: no column
+                    metrics[S.POLICY_LAG] = float(self.policy_lag)
                 if cfg.eval_every:
                     # Evaluation gate: a cheap deterministic evaluation that ends the run once it is solved.
                     metrics[S.EVAL_RETURN] = float("nan")
@@ -381,10 +389,13 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
 
     # ================================================================== 1. rollout
     def collect_rollout(self) -> tuple[list[tuple[float, int]], int]:
-        """Fill the buffer with ``num_steps`` steps of every env (``collector.Collector``); returns (finished
-        episodes, non-finite steps)."""
-        episodes, nonfinite = self.collector.collect(self.global_step)
+        """Fill the buffer with ``num_steps`` steps of every env from the rollout source; returns (finished
+        episodes, non-finite steps). ``policy_lag``: how many updates behind the learner the oldest acting
+        policy of the batch was."""
+        source = self.collector
+        episodes, nonfinite = source.collect(self.global_step)
         self.global_step += self.config.num_steps * self.config.num_envs * self.dist.world_size
+        self.policy_lag = policy_lag(source.buffer, self.update_idx)
         return episodes, nonfinite
 
     @property
@@ -405,8 +416,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
 
         return evaluate_first_episodes(self._eval_envs, self.policy, actor, self.collector.normalize,
                                        seed=cfg.seed + 7919 * (self.update_idx + 1), max_steps=self._eval_max_steps,
-                                       env_id=cfg.env_id, global_step=self.global_step,
-                                       action_bounds=self.collector.action_bounds, fail=failed,
+                                       env_id=cfg.env_id, global_step=self.global_step, fail=failed,
                                        watchdog=self.watchdog)
 
     # ================================================================== 2. advantages
@@ -418,19 +428,16 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         next_values = buf.next_values(last_values)
         advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,
                                   cfg.gamma, cfg.gae_lambda)
-        B = cfg.batch_size
-        # [T, N, ...] -> [B, ...] (every part of a Dict observation; a flat one: [B, obs_dim])
-        flat = dict(obs=obs_map(lambda x: x.reshape(B, *x.shape[2:]), buf.obs),
-                    actions=buf.actions.reshape(B, *buf.actions.shape[2:]),
-                    logp_old=buf.logp.reshape(B), values_old=buf.values.reshape(B),
-                    advantages=advantages.reshape(B), returns=returns.reshape(B))
-        if buf.masks is not None:
-            flat["action_mask"] = buf.masks.reshape(B, buf.masks.shape[-1])
-        valid = buf.valid.reshape(B)
-        if not bool(valid.all()):
-            keep = valid.nonzero().squeeze(-1)
-            flat = {k: obs_index(v, keep) for k, v in flat.items()}
-        return Batch(**flat), advantages, returns
+        # [T, N, ...] -> [B, ...] of the valid steps, every field the buffer carries to the minibatches
+        return buf.flat(advantages, returns), advantages, returns
+
+    def update_batch(self, batch: Batch, advantages: torch.Tensor, returns: torch.Tensor) -> Batch:
+        """What the epoch loop draws minibatches from: ``batch`` (rows), or for a stateful policy whole env
+        sequences (``RolloutBuffer.sequences``) in chunks of ``recurrent_seq_len`` steps (0: the whole rollout).
+        Data-parallel, each rank chunks its own envs; every rank has the same number of chunks."""
+        if self.buffer.policy_state is None:
+            return batch
+        return self.buffer.sequences(self.config.recurrent_seq_len or self.config.num_steps, advantages, returns)
 
     def _obs_normalizer(self) -> Any:
         """The observation normalizer for this env's observations; ConfigError when none of it is a float vector."""
@@ -463,6 +470,10 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
 
         policy = self.policy
         with torch.inference_mode():
+            if isinstance(batch, SequenceBatch):  # replayed as in the update, counted where mask
+                logp_new = policy.evaluate_sequence(batch.obs, batch.actions, batch.state0, batch.episode_start,
+                                                    batch.action_mask)[0]
+                return float(approx_kl_k3(logp_new, batch.logp_old, batch.mask))
             if getattr(type(policy), "evaluate", None) is ActorCritic.evaluate:
                 # ActorCritic.evaluate's log-probabilities without its critic pass, which the KL does not need.
                 logp_new, _ = policy.log_prob_entropy(policy.masked_head(batch.obs, batch.action_mask),
@@ -530,7 +541,7 @@ def _adam_kwargs(device: torch.device) -> dict:
 
 def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: Any = None,
           console_enabled: bool = True, overwrite: bool = False, env: Any = None, callbacks: Any = None,
-          rollout: Any = None, policy: Any = None, **overrides: Any) -> Run:
+          rollout: RolloutBackend | None = None, policy: Any = None, **overrides: Any) -> Run:
     """Train PPO with ``config``; returns a ``Run`` with the run dir, per-update metrics and the policy.
 
     ``config`` may be an env id: ``train("CartPole-v1")`` trains ``PPOConfig.for_env("CartPole-v1")``, the
@@ -550,7 +561,8 @@ def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: A
     checkpoint) and/or ``on_checkpoint(path)``, or plain functions taken as ``on_update`` (see ``callbacks``).
 
     ``rollout``: a rollout backend instead of ``collector.Collector`` (a callable taking Collector's arguments and
-    returning a ``rollout.source.RolloutSource``), e.g. remote rollout workers; the learner is unchanged.
+    returning a ``rollout.source.RolloutSource``, the protocol documented there), e.g. remote rollout workers;
+    the learner is unchanged.
 
     ``policy``: a factory ``(observation_space, action_space, config) -> Policy`` instead of
     ``policies.build_policy`` (e.g. a type registered with ``register_policy``, so ``load`` rebuilds it).
@@ -565,7 +577,7 @@ def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: A
 
 def resume(run_dir: str | Path, total_timesteps: int | None = None, console: Any = None,
            console_enabled: bool = True, allow_import: tuple[str, ...] | list[str] = (), env: Any = None,
-           callbacks: Any = None, rollout: Any = None, policy: Any = None) -> Run:
+           callbacks: Any = None, rollout: RolloutBackend | None = None, policy: Any = None) -> Run:
     """Continue the run in ``run_dir`` from its checkpoint (optionally to a new ``total_timesteps``).
 
     A stored env id of the form ``"module:Env-v0"`` is refused unless ``module`` is in ``allow_import``: the
