@@ -246,12 +246,15 @@ class TensorBatch:
     def map(self, fn: Callable[[Tensor], Tensor], per_row: Callable[[Tensor], Tensor] | None = None) -> Any:
         """A batch of the same type with ``fn`` applied to every tensor of the per-step fields (``per_row``, by
         default ``fn``, to those of the per-row fields)."""
-        out = {}
-        for field in self.schema.fields():
-            value = self.__dict__.get(field.name)
-            if value is not None:
-                out[field.name] = tree_map(fn if field.per_step or per_row is None else per_row, value)
-        return type(self)(**out)
+        rows = {f.name for f in self.schema.fields() if not f.per_step} if per_row is not None else ()
+        # Built without __init__'s checks: the fields are this batch's, already checked (index runs once per
+        # minibatch; the checks cost as much as the indexing of a small batch).
+        out = object.__new__(type(self))
+        fields = out.__dict__
+        for name, value in self.__dict__.items():
+            if not name.startswith("_"):
+                fields[name] = None if value is None else tree_map(per_row if name in rows else fn, value)
+        return out
 
     def index(self, idx: Tensor) -> Any:
         """The rows ``idx`` (along ``row_dim``) of every field, every part of a tree."""
