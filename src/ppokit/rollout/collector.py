@@ -17,7 +17,9 @@ the update, the logger or checkpoints. What it handles:
 * the policy's state (``policies.Policy``): ``policy.initial_state(num_envs)`` after a reset, passed to each
   ``act`` with ``episode_start`` (True where the observation is an episode's first: the previous step's done
   flags under SAME_STEP, the flags of the step before it under NEXT_STEP, where the step between only resets),
-  and carried from one rollout to the next (None for a stateless policy: nothing is computed for it);
+  and carried from one rollout to the next, in the loop state a checkpoint holds (None for a stateless policy:
+  nothing is computed or saved for it); a stateful policy's values (the truncation bootstrap, GAE's last one)
+  are read from the state its env had there;
 * every second of the rollout booked to ``perf``: acting to "inference", stepping and result handling to "env";
 * one in-process env on the CPU (MuJoCo's setting): the same loop on scalars, ``one_env.py``, bit for bit.
 
@@ -44,7 +46,7 @@ from ppokit.rollout.buffer import RolloutBuffer
 from ppokit.rollout.hostnorm import HostNormalizers
 from ppokit.rollout.normalize import ObsNormalizer, RewardScaler
 
-__all__ = ["Collector", "Episodes", "action_masks_available", "allocate_buffer", "forget_probe_reset", "read_action_masks", "evaluate_first_episodes", "make_eval_envs",
+__all__ = ["Collector", "Episodes", "action_masks_available", "allocate_buffer", "bootstrap_values", "forget_probe_reset", "read_action_masks", "evaluate_first_episodes", "make_eval_envs",
            "make_train_envs"]
 
 Episodes = list[tuple[float, int]]  # (raw return, length) of each episode finished in the rollout
@@ -142,12 +144,18 @@ class Collector:
         }
         if self.masked:
             state["next_mask"] = torch.from_numpy(self.next_mask.copy())
+        if self.policy_state is not None:  # a stateful policy: each env's live state and its episode-start flag
+            state["policy_state"] = _state_copy(self.policy_state)
+            state["episode_start"] = torch.from_numpy(np.array(self.episode_start, dtype=bool))
         return state
 
     def load_loop_state(self, loop: dict[str, torch.Tensor]) -> None:
-        """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes).
-        The policy's state is not in it: every env's starts afresh."""
+        """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes),
+        a stateful policy's live state with it (a loop state without one starts every env's afresh)."""
         self.fresh_policy_state()
+        if self.policy_state is not None and "policy_state" in loop:
+            self.policy_state = _state_load(loop["policy_state"], self.policy_state)
+            self.episode_start = loop["episode_start"].numpy().astype(bool)
         self.next_obs_raw = obs_map(lambda t: t.numpy().copy(), loop["next_obs_raw"])
         self.ep_return = loop["ep_return"].numpy().copy()
         self.ep_length = loop["ep_length"].numpy().copy()
@@ -291,7 +299,7 @@ class Collector:
                                          else next_obs_t)
                 obs = self.normalize(next_obs_t)
             if self.same_step and truncated.any():
-                self._bootstrap_truncated(t, truncated, info, step, rollout_start)
+                self._bootstrap_truncated(t, truncated, info, step, rollout_start, state)
             self.next_obs_raw = next_obs
         self.policy_state, self.episode_start = state, episode_start
         if nonfinite and not host[3].any():
@@ -312,9 +320,11 @@ class Collector:
         self.perf["env"] += time.perf_counter() - t_start - t_inference
         return episodes, nonfinite
 
-    def _bootstrap_truncated(self, t: int, truncated: np.ndarray, info: dict, step: int, rollout_start: int) -> None:
+    def _bootstrap_truncated(self, t: int, truncated: np.ndarray, info: dict, step: int, rollout_start: int,
+                             state: Any = None) -> None:
         """SAME_STEP autoreset: the returned obs is already the new episode's; store V(true final obs) for the
-        truncated envs of step ``t`` (``buffer.next_values`` reads it in place of V(next obs))."""
+        truncated envs of step ``t`` (``buffer.next_values`` reads it in place of V(next obs)), a stateful
+        policy's from ``state``, the state its step-``t`` action left (the episode's, not yet reset)."""
         buf, dev = self.buffer, self.device
         idx = np.flatnonzero(truncated)
         final_obs = info["final_obs"]
@@ -331,11 +341,43 @@ class Collector:
                             detail=f"info['final_obs'] of a truncated episode is unusable: {exc}")
         final = self.encoder.zero_nonfinite(final)
         final_t = self.normalize(obs_to_tensor(final, dev))
-        with torch.inference_mode():
-            fv = self.policy.value(final_t)
         idx_t = torch.as_tensor(idx, device=dev)
+        with torch.inference_mode():
+            fv = self.policy.value(final_t) if state is None else self.policy.value(final_t, state[idx_t])
         buf.final_values[t, idx_t] = fv
         buf.has_final[t, idx_t] = True
+
+
+def bootstrap_values(policy: Any, source: Any) -> torch.Tensor:
+    """V ``[N]`` of the observation after the rollout (GAE's bootstrap), a stateful policy's from the state the
+    rollout left (``source.policy_state``, reset where ``source.episode_start``)."""
+    state = getattr(source, "policy_state", None)
+    with torch.inference_mode():
+        if state is None:
+            return policy.value(source.last_obs)
+        return policy.value(source.last_obs, state, source.episode_start)
+
+
+def _state_copy(state: Any) -> Any:
+    """A policy state (a tensor, or a tuple/list/dict of tensors) copied to the CPU, as a checkpoint holds it."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu().clone()
+    if isinstance(state, dict):
+        return {k: _state_copy(v) for k, v in state.items()}
+    return [_state_copy(v) for v in state]
+
+
+def _state_load(saved: Any, like: Any) -> Any:
+    """``saved`` (``_state_copy``'s) moved to the device, dtype and structure of ``like`` (a fresh state);
+    ValueError when its shapes are not those of ``like``."""
+    if isinstance(like, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != like.shape:
+            raise ValueError(f"the saved policy state has shape {getattr(saved, 'shape', type(saved).__name__)}, "
+                             f"this policy's is {tuple(like.shape)}")
+        return saved.to(device=like.device, dtype=like.dtype).clone()
+    if isinstance(like, dict):
+        return {k: _state_load(saved[k], v) for k, v in like.items()}
+    return type(like)(_state_load(s, v) for s, v in zip(saved, like))
 
 
 def make_train_envs(cfg: Any, custom_env: Any = None) -> Any:

@@ -34,11 +34,12 @@ from ppokit.kernels.acting import ActingKernel
 from ppokit.kernels.flat_adam import FlatAdam
 from ppokit.kernels.fused_step import FusedStep
 from ppokit.kernels.mlp_backward import supports as fused_supports
-from ppokit.policies import ActorCritic, Policy, build_policy
+from ppokit.policies import ActorCritic, Policy, config_policy
 from ppokit.policies.build import policy_parameters
 from ppokit.rollout.collector import (
     Collector,
     action_masks_available,
+    bootstrap_values,
     evaluate_first_episodes,
     forget_probe_reset,
     make_eval_envs,
@@ -130,14 +131,14 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         try:  # validate() assumed one float per observation; now the real sizes are known, before anything big
             encoder = observation_encoder(obs_space)
             check_memory(cfg, encoder.flat_dim, layout_bytes(encoder.layout()),  # images are stored as bytes
-                         policy_parameters(obs_space, act_space, cfg.hidden_sizes, cfg.activation))
+                         policy_parameters(obs_space, act_space, cfg.hidden_sizes, cfg.activation, cfg))
         except ConfigError:
             self.envs.close()
             raise
         # ``policy``: a factory (observation space, action space, config) -> Policy, e.g. a registered type (the
         # memory check above counted the default policy's parameters).
         try:
-            self.policy = (build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation) if policy is None
+            self.policy = (config_policy(obs_space, act_space, cfg) if policy is None  # recurrent: recurrent.py
                            else policy(obs_space, act_space, cfg)).to(self.device)
         except BaseException:
             self.envs.close()
@@ -411,8 +412,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
     def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:
         """GAE over the rollout, flattened to the batch of valid steps."""
         cfg, buf = self.config, self.buffer
-        with torch.inference_mode():
-            last_values = self.policy.value(self.collector.last_obs)
+        last_values = bootstrap_values(self.policy, self.collector)  # a stateful policy's from its live state
         next_values = buf.next_values(last_values)
         advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,
                                   cfg.gamma, cfg.gae_lambda)
