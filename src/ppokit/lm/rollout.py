@@ -18,33 +18,45 @@ rows are completions, the token axis is the response's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
+from ppokit.core.batch import Field, Schema, TensorBatch
 from ppokit.lm.generation import Generator, SamplingSettings
 from ppokit.lm.logprobs import response_mask, token_logprobs
 
-__all__ = ["TokenBatch", "encode_prompts", "sample", "last_token_index", "place_scores"]
+__all__ = ["TOKEN_FIELDS", "TokenBatch", "encode_prompts", "sample", "last_token_index", "place_scores"]
 
-@dataclass
-class TokenBatch:
-    """A rollout of ``B`` completions; ``P`` prompt columns, ``R`` response columns."""
+def _response(dims: dict) -> tuple[int, ...]:
+    return (dims["R"],)
 
-    input_ids: Tensor  # [B, P + R] left-padded prompt, then the response (pad after the first stop)
-    attention_mask: Tensor  # [B, P + R] long: real prompt tokens and response tokens through the first stop
-    response_mask: Tensor  # [B, R] bool: the response tokens that count (through the first stop, EOS included)
-    logp_old: Tensor  # [B, R] log pi_old of the sampled tokens (tempered), frozen right after generation
-    scores: Tensor  # [B] the completion's score (reward minus any missing-EOS penalty)
-    logp_ref: Tensor | None = None  # [B, R] log pi_ref of the sampled tokens
-    values: Tensor | None = None  # [B, R] V at the rollout (PPO)
-    advantages: Tensor | None = None  # [B, R] (PPO: GAE, whitened; GRPO: the sequence's advantage on every token)
-    returns: Tensor | None = None  # [B, R] value targets (PPO)
 
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
+# One completion's tensors (``P`` prompt columns, ``R`` response columns), each declared once; a TokenBatch holds
+# them as ``[B, ...]``.
+TOKEN_FIELDS = Schema(
+    Field("input_ids", lambda d: (d["P"] + d["R"],), torch.long,
+          doc="left-padded prompt, then the response (pad after the first stop)"),
+    Field("attention_mask", lambda d: (d["P"] + d["R"],), torch.long,
+          doc="real prompt tokens and response tokens through the first stop"),
+    Field("response_mask", _response, torch.bool,
+          doc="the response tokens that count (through the first stop, EOS included)"),
+    Field("logp_old", _response, doc="log pi_old of the sampled tokens (tempered), frozen right after generation"),
+    Field("scores", (), doc="the completion's score (reward minus any missing-EOS penalty)"),
+    Field("logp_ref", _response, optional=True, doc="log pi_ref of the sampled tokens"),
+    Field("values", _response, optional=True, doc="V at the rollout (PPO)"),
+    Field("advantages", _response, optional=True,
+          doc="PPO: GAE, whitened; GRPO: the sequence's advantage on every token"),
+    Field("returns", _response, optional=True, doc="value targets (PPO)"),
+)
+
+
+class TokenBatch(TensorBatch):
+    """A rollout of ``B`` completions: ``TOKEN_FIELDS``, each ``[B, ...]``."""
+
+    schema = TOKEN_FIELDS
 
     @property
     def obs(self) -> Tensor:
@@ -57,14 +69,7 @@ class TokenBatch:
         return self.response_mask.shape[1]
 
     def index(self, idx: Tensor) -> "TokenBatch":
-        return self._map(lambda t: t[idx.to(t.device)])
-
-    def to(self, device: torch.device | str) -> "TokenBatch":
-        return self._map(lambda t: t.to(device, non_blocking=True))
-
-    def _map(self, fn: Callable[[Tensor], Tensor]) -> "TokenBatch":
-        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
-                                if getattr(self, f.name) is not None})
+        return self.map(lambda t: t[idx.to(t.device)])
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

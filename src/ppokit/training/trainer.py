@@ -27,7 +27,7 @@ from ppokit.core.objectives import explained_variance
 from ppokit.core.schema import PERF_PHASES
 from ppokit.core.seeding import seed_everything
 from ppokit.diagnostics.monitor import Monitor, episode_time_limit
-from ppokit.envs.encoders import obs_index, obs_map, observation_encoder
+from ppokit.envs.encoders import observation_encoder
 from ppokit.envs.errors import EnvError
 from ppokit.envs.watchdog import EnvWatchdog, close_vector_env
 from ppokit.kernels.acting import ActingKernel
@@ -416,19 +416,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         next_values = buf.next_values(last_values)
         advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,
                                   cfg.gamma, cfg.gae_lambda)
-        B = cfg.batch_size
-        # [T, N, ...] -> [B, ...] (every part of a Dict observation; a flat one: [B, obs_dim])
-        flat = dict(obs=obs_map(lambda x: x.reshape(B, *x.shape[2:]), buf.obs),
-                    actions=buf.actions.reshape(B, *buf.actions.shape[2:]),
-                    logp_old=buf.logp.reshape(B), values_old=buf.values.reshape(B),
-                    advantages=advantages.reshape(B), returns=returns.reshape(B))
-        if buf.masks is not None:
-            flat["action_mask"] = buf.masks.reshape(B, buf.masks.shape[-1])
-        valid = buf.valid.reshape(B)
-        if not bool(valid.all()):
-            keep = valid.nonzero().squeeze(-1)
-            flat = {k: obs_index(v, keep) for k, v in flat.items()}
-        return Batch(**flat), advantages, returns
+        # [T, N, ...] -> [B, ...] of the valid steps, every field the buffer carries to the minibatches
+        return buf.flat(advantages, returns), advantages, returns
 
     def _obs_normalizer(self) -> Any:
         """The observation normalizer for this env's observations; ConfigError when none of it is a float vector."""

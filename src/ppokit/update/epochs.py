@@ -18,12 +18,14 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "UpdateSettings", "MinibatchResult", "UpdateStep", "SyncHook", "ppo_epochs", "minibatch_sizes",
+from ppokit.core.batch import Field, Schema, TensorBatch
+
+__all__ = ["Batch", "SequenceBatch", "BATCH_FIELDS", "SEQUENCE_FIELDS", "UpdateSettings", "MinibatchResult", "UpdateStep", "SyncHook", "ppo_epochs", "minibatch_sizes",
            "kl_stops", "KL_STOP_FACTOR", "STAT_NAMES"]
 
 # The diagnostics every step reports per minibatch; the update returns their means over the applied minibatches.
@@ -35,27 +37,54 @@ from ppokit.core.algos import UpdateSettings  # noqa: E402,F401  (the epoch loop
 from ppokit.core.schema import KL_STOP_FACTOR  # noqa: E402
 
 
-@dataclass
-class Batch:
-    """A flat batch of ``B`` transitions (the rollout's valid steps, time and env axes merged)."""
+def _mask_shape(dims: Mapping[str, Any]) -> tuple[int, ...] | None:
+    return None if dims.get("mask_dim") is None else (dims["mask_dim"],)
 
-    obs: Any  # [B, obs_dim] float32 | [B, C, H, W] uint8 | {key: [B, ...]} (a Dict/Tuple observation)
-    actions: Tensor  # [B] | [B, k] | [B, D]
-    logp_old: Tensor  # [B] log pi_old(a|s), frozen at rollout time
-    values_old: Tensor  # [B] V at rollout time (for value clipping)
-    advantages: Tensor  # [B] GAE advantages, constants
-    returns: Tensor  # [B] value targets, constants
-    action_mask: Tensor | None = None  # [B, n_logits] bool, the actions allowed at acting time (masked envs only)
 
-    def __len__(self) -> int:
-        return self.logp_old.shape[0]
+def _if_stateful(dims: Mapping[str, Any]) -> tuple[int, ...] | None:
+    return None if dims.get("policy_state") is None else ()
 
-    def index(self, idx: Tensor) -> "Batch":
-        """The minibatch at row indices ``idx`` (every part of a Dict observation)."""
-        obs = {k: v[idx] for k, v in self.obs.items()} if isinstance(self.obs, dict) else self.obs[idx]
-        return Batch(obs, self.actions[idx], self.logp_old[idx], self.values_old[idx],
-                     self.advantages[idx], self.returns[idx],
-                     None if self.action_mask is None else self.action_mask[idx])
+
+# The minibatch's fields, each declared once (per step; a flat batch is [B, ...], a sequence minibatch [L, M, ...]).
+# The rollout buffer stores its carried fields under these declarations (``rollout.buffer``). ``dims`` of a run:
+# ``obs`` (the encoder's layout), ``action_shape``, ``action_dtype``, ``mask_dim`` (None: no action masks),
+# ``policy_state`` (the layout of one step of the policy's state; None: a stateless policy).
+BATCH_FIELDS = Schema(
+    Field("obs", lambda d: d["obs"], None, doc="float32 [obs_dim] | uint8 [C, H, W] | {key: one of those}"),
+    Field("actions", lambda d: d["action_shape"], lambda d: d["action_dtype"], doc="long [] | [k] | float [D]"),
+    Field("logp_old", doc="log pi_old(a|s), frozen at rollout time"),
+    Field("values_old", doc="V at rollout time (for value clipping)"),
+    Field("advantages", doc="GAE advantages, constants"),
+    Field("returns", doc="value targets, constants"),
+    Field("action_mask", _mask_shape, torch.bool, optional=True,
+          doc="[n_logits] the actions allowed at acting time (masked envs only)"),
+    Field("episode_start", _if_stateful, torch.bool, optional=True,
+          doc="the observation is an episode's first (stateful policies only)"),
+)
+
+
+class Batch(TensorBatch):
+    """A flat batch of ``B`` transitions (the rollout's valid steps, time and env axes merged): ``BATCH_FIELDS``,
+    each ``[B, ...]``."""
+
+    schema = BATCH_FIELDS
+
+
+# A sequence minibatch: every field of a Batch as [L, M, ...] (M whole env chunks of L steps), plus these.
+SEQUENCE_FIELDS = Schema(
+    Field("mask", (), torch.bool, doc="[L, M] a valid step and not padding: what enters the loss"),
+    Field("state0", lambda d: d.get("policy_state"), None, optional=True, per_step=False,
+          doc="[M, ...] per tensor: the policy's state passed into act at each chunk's first step"),
+    base=BATCH_FIELDS,
+)
+
+
+class SequenceBatch(Batch):
+    """``M`` chunks of whole env sequences, time-major: ``SEQUENCE_FIELDS``. ``len`` counts chunks and ``index``
+    selects chunks (axis 1 of the per-step fields, axis 0 of ``state0``)."""
+
+    schema = SEQUENCE_FIELDS
+    row_dim = 1
 
 
 @dataclass
