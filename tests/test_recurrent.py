@@ -316,3 +316,16 @@ def test_the_planner_proposes_a_recurrent_policy_for_observations_that_are_not_m
     assert "--recurrent lstm" in plan.to_markdown()
     assert memory_reason("CartPole-v1") is None and "memory task" in memory_reason("MiniGrid-MemoryS7-v0")
     assert make_plan("CartPole-v1", 100_000, probe=False).config.recurrent == "none"
+
+
+def test_recurrent_runs_take_the_autograd_update_and_the_memory_check_counts_the_cores():
+    from ppokit.kernels.mlp_backward import supports as fused_supports
+    from ppokit.policies.build import policy_parameters
+
+    cfg = PPOConfig(recurrent="lstm", recurrent_hidden=64, hidden_sizes=[64])
+    obs, act = spaces.Box(-1, 1, (2,)), spaces.Discrete(2)
+    policy = config_policy(obs, act, cfg)
+    assert not fused_supports(policy, "ppo")
+    # Two LSTM(2 -> 64) cores (4 gates: 4 * 64 * (2 + 64 + 2)) plus two heads of 64: counted on the meta device.
+    assert policy_parameters(obs, act, cfg.hidden_sizes, cfg.activation, cfg) == \
+        sum(p.numel() for p in policy.parameters()) == 2 * 4 * 64 * 68 + (64 * 64 + 64 + 64 * 2 + 2) + (64 * 64 + 64 + 65)

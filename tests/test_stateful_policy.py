@@ -13,7 +13,7 @@ import torch
 from gymnasium import spaces
 
 import ppokit
-from ppokit.config.ppo_config import PPOConfig
+from ppokit.config.ppo_config import ConfigError, PPOConfig
 from ppokit.envs import make_vec_env
 from ppokit.kernels.acting import ActingKernel
 from ppokit.policies import ActorCritic, EncoderActorCritic, build_policy, register_policy, registry
@@ -40,6 +40,16 @@ class StepCounter(ActorCritic):
         out = torch.where(torch.as_tensor(starts), 0, state) + 1
         self.calls.append((state.clone(), starts, out, deterministic))
         return actions, logp, values, out
+
+    def evaluate_sequence(self, obs, actions, state0, episode_start, action_mask=None):
+        """The counter changes no output: the chunk's steps evaluated as rows, ``[L, M]`` each."""
+        L, M = episode_start.shape
+
+        def rows(x):
+            return None if x is None else x.reshape(L * M, *x.shape[2:])
+
+        logp, entropy, values = self.evaluate(rows(obs), rows(actions), rows(action_mask))
+        return logp.reshape(L, M), entropy.reshape(L, M), values.reshape(L, M)
 
     def spec(self) -> dict:
         return {**super().spec(), "type": "test_step_counter"}
@@ -73,6 +83,15 @@ class _Fixed(gym.Env):
     def step(self, action):
         self.t += 1
         return self.np_random.uniform(-1, 1, 3).astype(np.float32), float(action), False, self.t >= EPISODE, {}
+
+
+def test_a_stateful_policy_without_evaluate_sequence_is_refused_in_one_line(tmp_path, step_counter_type,
+                                                                           monkeypatch):
+    monkeypatch.delattr(StepCounter, "evaluate_sequence")
+    cfg = PPOConfig(num_envs=2, num_steps=8, total_timesteps=16, hidden_sizes=[8], tensorboard=False)
+    with pytest.raises(ConfigError, match="StepCounter is stateful .* has no evaluate_sequence") as info:
+        ppokit.train(cfg, run_dir=tmp_path / "r", console_enabled=False, env=_Fixed, policy=counter_factory)
+    assert "\n" not in str(info.value)
 
 
 def _threaded(calls) -> None:

@@ -93,6 +93,9 @@ class PPOConfig:
     algo: str = _f("ppo", f"objective: {describe_algos()}")
     num_minibatches: int = _f(4, "minibatches per epoch (must divide num_envs * num_steps)")
     update_epochs: int = _f(4, "epochs K over each rollout")
+    recurrent_seq_len: int = _f(0, "a stateful (recurrent) policy trains on whole env sequences cut into chunks of "
+                                "this many steps (truncated backpropagation through time); 0: the whole rollout, "
+                                "num_steps")
     clip_coef: float = _f(0.2, "clip range eps of the surrogate objective, in (0, 10]", max=10.0)
     clip_vloss: bool = _f(True, "clip the value change to +-clip_coef as in PPO2")
     # Upper bounds ("max") are far beyond any useful value: they catch typos such as 1e308, not tuning choices.
@@ -232,6 +235,9 @@ class PPOConfig:
         need(self.batch_size % self.num_minibatches == 0, "num_minibatches",
              f"{self.num_minibatches} does not divide the batch num_envs * num_steps = {self.batch_size}; "
              f"choose a divisor of {self.batch_size}")
+        need(isinstance(self.recurrent_seq_len, int) and 0 <= self.recurrent_seq_len <= self.num_steps,
+             "recurrent_seq_len", f"must be an integer in [0, num_steps = {self.num_steps}] (0: the whole rollout), "
+             f"got {self.recurrent_seq_len!r}")
         need(self.algo in ALGOS, "algo", f"must be one of {', '.join(ALGOS)}, got {self.algo!r}")
         need(self.activation in ACTIVATIONS, "activation", f"must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         need(self.recurrent in RECURRENT, "recurrent", f"must be one of {', '.join(RECURRENT)}, got {self.recurrent!r}")

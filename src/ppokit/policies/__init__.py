@@ -8,6 +8,7 @@ from ppokit.policies.actor_critic import (
                                           ActorCritic,
                                           Policy,
                                           PolicyBase,
+                                          StatefulPolicy,
                                           action_spec,
                                           frozen_copy,
                                           layer_init,
@@ -26,5 +27,6 @@ from ppokit.policies.registry import (
 )
 
 __all__ = ["ACTIVATIONS", "DEFAULT_POLICY_TYPE", "MASKED_LOGIT", "ActorCritic", "EncoderActorCritic", "Policy",
-           "PolicyBase", "PolicySpecError", "RecurrentActorCritic", "action_spec", "build_policy", "config_policy", "frozen_copy", "layer_init",
+           "PolicyBase", "PolicySpecError", "RecurrentActorCritic", "StatefulPolicy", "action_spec", "build_policy",
+           "config_policy", "frozen_copy", "layer_init",
            "mask_logits", "policy_from_spec", "policy_types", "register_policy", "spec_type"]

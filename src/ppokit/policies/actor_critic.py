@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ppokit.core.objectives import categorical_entropy, gaussian_entropy
 from ppokit.policies.registry import DEFAULT_POLICY_TYPE, register_policy
 
-__all__ = ["ActorCritic", "Policy", "PolicyBase", "action_spec", "frozen_copy", "layer_init", "mask_logits",
+__all__ = ["ActorCritic", "Policy", "PolicyBase", "StatefulPolicy", "action_spec", "frozen_copy", "layer_init", "mask_logits",
            "ACTIVATIONS", "MASKED_LOGIT"]
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
@@ -105,6 +105,27 @@ class Policy(Protocol):
 
     def spec(self) -> dict:
         """Constructor arguments plus ``"type"`` (the registered name): ``policy_from_spec`` rebuilds it."""
+
+
+@runtime_checkable
+class StatefulPolicy(Policy, Protocol):
+    """A policy whose ``initial_state(num_envs)`` is not None (a recurrent one): it trains on sequence minibatches
+    (``update.epochs.SequenceBatch``), whole env chunks replayed in order, never on shuffled rows.
+
+    A state is a tensor or a tuple / dict of tensors, each with the env axis FIRST (``[N, ...]``; an ``nn.LSTM``'s
+    ``[layers, N, H]`` is transposed by the policy), so that the rollout stores it per step as ``[T, N, ...]``.
+    """
+
+    def evaluate_sequence(self, obs: Any, actions: Tensor, state0: Any, episode_start: Tensor,
+                          action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Update: ``(logp_new, entropy, values)``, each ``[L, M]``, of ``M`` chunks of ``L`` steps (``obs``,
+        ``actions``, ``episode_start`` and ``action_mask`` time-major ``[L, M, ...]``).
+
+        The chunk is replayed in order from ``state0`` (each tensor ``[M, ...]``: the state that was passed into
+        ``act`` at the chunk's first step during the rollout); wherever ``episode_start[t, m]`` is True the state
+        of chunk ``m`` is reset to the initial one before step ``t``, exactly as ``act`` did, so that with
+        unchanged weights the log-probs equal the rollout's (the first ratio is exactly 1). Padded steps (past
+        the rollout's end) hold zeros; their outputs are ignored (masked out of the loss)."""
 
 
 class PolicyBase(nn.Module):

@@ -17,9 +17,10 @@ the update, the logger or checkpoints. What it handles:
 * the policy's state (``policies.Policy``): ``policy.initial_state(num_envs)`` after a reset, passed to each
   ``act`` with ``episode_start`` (True where the observation is an episode's first: the previous step's done
   flags under SAME_STEP, the flags of the step before it under NEXT_STEP, where the step between only resets),
-  and carried from one rollout to the next, in the loop state a checkpoint holds (None for a stateless policy:
-  nothing is computed or saved for it); a stateful policy's values (the truncation bootstrap, GAE's last one)
-  are read from the state its env had there;
+  and carried from one rollout to the next, in the loop state a checkpoint holds; the state passed in and
+  ``episode_start`` stored per step (``RolloutBuffer.record_state``, from which the update replays each chunk); a
+  stateful policy's values (the truncation bootstrap, GAE's last one) read from the state its env had there; None
+  for a stateless policy: nothing is computed, stored or saved for it;
 * every second of the rollout booked to ``perf``: acting to "inference", stepping and result handling to "env";
 * one in-process env on the CPU (MuJoCo's setting): the same loop on scalars, ``one_env.py``, bit for bit.
 
@@ -88,7 +89,8 @@ class Collector:
         self.masked = policy.kind != "continuous" and action_masks_available(envs)
         self.mask_dim = sum(policy.action_dims) if self.masked else None
         self.buffer = allocate_buffer(policy, num_steps, self.num_envs, device, self.mask_dim,
-                                      obs_layout=self.encoder.layout())
+                                      obs_layout=self.encoder.layout(),
+                                      policy_state=policy.initial_state(self.num_envs))
         # One env on the CPU: the normalizers' per-step arithmetic runs on the host, bit for bit (hostnorm).
         self.host_norm = HostNormalizers(obs_norm, reward_scaler) \
             if HostNormalizers.applies(self.num_envs, device, obs_norm, reward_scaler) else None
@@ -202,8 +204,11 @@ class Collector:
         # one-env step's acting ops.
         inference = torch.inference_mode()
         on_cpu = dev.type == "cpu"  # the actions are numpy views then, without a .cpu() dispatch per step
+        stateful = buf.policy_state is not None
         for t in range(self.num_steps):
             t0 = time.perf_counter()
+            if stateful:  # what act is given: a sequence minibatch replays each chunk from it
+                buf.record_state(t, state, episode_start)
             if self.masked:
                 mask = torch.as_tensor(self.next_mask, device=dev)
                 buf.masks[t].copy_(mask)
@@ -518,17 +523,18 @@ def _one_mask(row: Any, mask_dim: int, i: int) -> np.ndarray:
 
 
 def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.device,
-                    mask_dim: int | None = None, obs_layout: Any = None) -> RolloutBuffer:
+                    mask_dim: int | None = None, obs_layout: Any = None, policy_state: Any = None) -> RolloutBuffer:
     """The rollout buffer for ``policy``'s observations and actions: ``[T, N]`` long actions (discrete),
     ``[T, N, k]`` long (multidiscrete, k sub-actions), ``[T, N, D]`` float32 (continuous); observations in the
-    encoder's ``obs_layout`` (default: ``policy.obs_dim`` float32 features)."""
+    encoder's ``obs_layout`` (default: ``policy.obs_dim`` float32 features); a stateful policy's state and episode
+    starts where ``policy_state`` (its ``initial_state(num_envs)``) is not None."""
     if policy.kind == "continuous":
         action_shape: tuple[int, ...] = (policy.action_dims[0],)
     else:
         action_shape = () if policy.kind == "discrete" else (len(policy.action_dims),)
     action_dtype = torch.float32 if policy.kind == "continuous" else torch.long
     return RolloutBuffer.allocate(num_steps, num_envs, policy.obs_dim if obs_layout is None else obs_layout,
-                                  action_shape, action_dtype, device, mask_dim)
+                                  action_shape, action_dtype, device, mask_dim, policy_state)
 
 
 def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int,

@@ -102,8 +102,11 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
 
     # Step 0 acts on the observation the last rollout (or the reset) left, normalized by the current statistics.
     normalized_into(obs_np[0], next_raw, update=False)
+    stateful = buf.policy_state is not None
     for t in range(T):
         t0 = time.perf_counter()
+        if stateful:  # what act is given: a sequence minibatch replays each chunk from it
+            buf.record_state(t, state, episode_start)
         if kernel:
             with inference:
                 state = act(obs_rows[t], state, episode_start, out=(act_rows[t], logp_rows[t], value_rows[t]))[3]

@@ -52,7 +52,7 @@ from ppokit.runtime.interrupts import install_sigint as _install_sigint
 from ppokit.training.lifecycle import TrainerLifecycle
 from ppokit.training.state import CHECKPOINT_NAME, TrainerCheckpoint
 from ppokit.update.autograd import AutogradStep
-from ppokit.update.epochs import Batch, UpdateSettings, ppo_epochs
+from ppokit.update.epochs import Batch, SequenceBatch, UpdateSettings, ppo_epochs
 
 __all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
 
@@ -140,6 +140,10 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         try:
             self.policy = (config_policy(obs_space, act_space, cfg) if policy is None  # recurrent: recurrent.py
                            else policy(obs_space, act_space, cfg)).to(self.device)
+            if self.policy.initial_state(1) is not None and not hasattr(self.policy, "evaluate_sequence"):
+                raise ConfigError("policy", f"{type(self.policy).__name__} is stateful (initial_state is not None) "
+                                  "but has no evaluate_sequence; a stateful policy trains on sequences "
+                                  "(policies.StatefulPolicy)")
         except BaseException:
             self.envs.close()
             raise
@@ -297,9 +301,10 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 # 3. K epochs of minibatch updates
                 t0 = time.perf_counter()
                 step = FusedStep(self.policy, self.optimizer) if self.fused else AutogradStep(self.policy, self.optimizer)
-                settings = self.dist.agree_minibatches(self.update_settings(clip_coef), len(batch))
-                stats = self.epoch_loop(batch, settings, step, sync=self.dist.sync)  # sync: None in one process
-                kl_after = self.dist.mean(self.batch_kl(batch))  # how far this update moved pi_theta from pi_old
+                update_batch = self.update_batch(batch, advantages, returns)  # rows, or env sequences
+                settings = self.dist.agree_minibatches(self.update_settings(clip_coef), len(update_batch))
+                stats = self.epoch_loop(update_batch, settings, step, sync=self.dist.sync)  # sync: None in 1 process
+                kl_after = self.dist.mean(self.batch_kl(update_batch))  # how far this update moved pi_theta
                 if self.algo.after_update is not None:  # ppo-kl: the adaptive penalty's beta rule
                     self.kl_beta = self.algo.after_update(self.kl_beta, kl_after, cfg)
                 self.perf["update"] += time.perf_counter() - t0
@@ -419,6 +424,14 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         # [T, N, ...] -> [B, ...] of the valid steps, every field the buffer carries to the minibatches
         return buf.flat(advantages, returns), advantages, returns
 
+    def update_batch(self, batch: Batch, advantages: torch.Tensor, returns: torch.Tensor) -> Batch:
+        """What the epoch loop draws minibatches from: ``batch`` (rows), or for a stateful policy whole env
+        sequences (``RolloutBuffer.sequences``) in chunks of ``recurrent_seq_len`` steps (0: the whole rollout).
+        Data-parallel, each rank chunks its own envs; every rank has the same number of chunks."""
+        if self.buffer.policy_state is None:
+            return batch
+        return self.buffer.sequences(self.config.recurrent_seq_len or self.config.num_steps, advantages, returns)
+
     def _obs_normalizer(self) -> Any:
         """The observation normalizer for this env's observations; ConfigError when none of it is a float vector."""
         space = self.envs.single_observation_space
@@ -450,6 +463,10 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
 
         policy = self.policy
         with torch.inference_mode():
+            if isinstance(batch, SequenceBatch):  # replayed as in the update, counted where mask
+                logp_new = policy.evaluate_sequence(batch.obs, batch.actions, batch.state0, batch.episode_start,
+                                                    batch.action_mask)[0]
+                return float(approx_kl_k3(logp_new, batch.logp_old, batch.mask))
             if getattr(type(policy), "evaluate", None) is ActorCritic.evaluate:
                 # ActorCritic.evaluate's log-probabilities without its critic pass, which the KL does not need.
                 logp_new, _ = policy.log_prob_entropy(policy.masked_head(batch.obs, batch.action_mask),

@@ -1,6 +1,7 @@
 """The reference (eager autograd) minibatch step of a PPO update, for any policy and objective.
 
-``minibatch_loss`` is one minibatch's loss and diagnostics; ``AutogradStep`` is the ``epochs.UpdateStep`` that
+``minibatch_loss`` is one minibatch's loss and diagnostics (``sequence_minibatch_loss`` that of a sequence
+minibatch, for a stateful policy); ``AutogradStep`` is the ``epochs.UpdateStep`` that
 backpropagates it and steps a ``torch.optim`` optimizer; ``ppo_update`` runs the epoch loop (``epochs.ppo_epochs``)
 with it. Nothing here knows of environments or logging.
 """
@@ -16,19 +17,21 @@ from torch import Tensor
 from ppokit.core.advantages import normalize
 from ppokit.core.algos import get_algo, loss_terms
 from ppokit.core.objectives import approx_kl_k1, approx_kl_k3, clip_fraction
-from ppokit.policies import ActorCritic
+from ppokit.core.reductions import reduce
+from ppokit.policies import ActorCritic, StatefulPolicy
 from ppokit.update.epochs import (
     KL_STOP_FACTOR,
     STAT_NAMES,
     Batch,
     MinibatchResult,
+    SequenceBatch,
     UpdateSettings,
     kl_stops,
     ppo_epochs,
 )
 
-__all__ = ["Batch", "UpdateSettings", "AutogradStep", "AutogradGuards", "ppo_update", "minibatch_loss", "kl_stops", "KL_STOP_FACTOR",
-           "STAT_NAMES"]
+__all__ = ["Batch", "UpdateSettings", "AutogradStep", "AutogradGuards", "ppo_update", "minibatch_loss",
+           "sequence_minibatch_loss", "kl_stops", "KL_STOP_FACTOR", "STAT_NAMES"]
 
 
 def minibatch_loss(policy: ActorCritic, mb: Batch, s: UpdateSettings) -> tuple[Tensor, dict[str, Tensor]]:
@@ -56,6 +59,35 @@ def minibatch_loss(policy: ActorCritic, mb: Batch, s: UpdateSettings) -> tuple[T
     return loss, stats
 
 
+def sequence_minibatch_loss(policy: StatefulPolicy, mb: SequenceBatch,
+                            s: UpdateSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    """``minibatch_loss`` of a sequence minibatch (every field ``[L, M, ...]``): ``policy.evaluate_sequence``
+    replays each chunk in order from its stored ``state0``, and every term, every diagnostic and the advantage
+    normalization is the masked mean over ``mb.mask`` (valid steps, not padding; ``core.reductions.reduce``), so a
+    left-out step carries exactly zero weight and zero gradient."""
+    mask = mb.mask
+    logp_new, entropy, values = policy.evaluate_sequence(mb.obs, mb.actions, mb.state0, mb.episode_start,
+                                                         mb.action_mask)
+    # A left-out step's ratio is exactly 1: exp of a padded step's arbitrary log-ratio could overflow, and its
+    # 0 * inf backward would be NaN even under the mask (core.reductions' caveat).
+    logp_old = torch.where(mask, mb.logp_old, logp_new.detach())
+    ratio = (logp_new - logp_old).exp()
+    advantages = normalize(mb.advantages, mask=mask) if s.norm_adv else mb.advantages
+    terms = loss_terms(get_algo(s.algo), logp_new, logp_old, ratio, advantages, entropy, values, mb.returns,
+                       mb.values_old, s, mask=mask)
+    loss_policy, loss_value = terms["policy"], terms["value"]
+    loss = loss_policy + s.vf_coef * loss_value + s.ent_coef * terms["entropy"]
+
+    with torch.no_grad():
+        stats = {
+            "policy_loss": loss_policy.detach(),
+            "value_loss": loss_value.detach(),
+            "entropy": reduce(entropy.detach(), mask),
+            "approx_kl": approx_kl_k3(logp_new.detach(), logp_old, mask),
+            "approx_kl_k1": approx_kl_k1(logp_new.detach(), logp_old, mask),
+            "clipfrac": clip_fraction(ratio.detach(), s.clip_coef, mask),
+        }
+    return loss, stats
 
 
 class AutogradGuards:
@@ -112,7 +144,9 @@ class AutogradStep(AutogradGuards):
             yield self.batch.index(idx)
 
     def backward(self, mb: Batch) -> None:
-        self._loss, self._stats = minibatch_loss(self.policy, mb, self.settings)
+        # A sequence minibatch (whole env chunks, a stateful policy) is replayed; a flat one is rows.
+        loss_fn = sequence_minibatch_loss if isinstance(mb, SequenceBatch) else minibatch_loss
+        self._loss, self._stats = loss_fn(self.policy, mb, self.settings)
         self.optimizer.zero_grad(set_to_none=False)
         self._loss.backward()
 
