@@ -113,6 +113,11 @@ def test_a_recurrent_run_loads_and_acts_with_its_state_through_predict_and_ppoki
     assert "ppokit/CartPoleNoVel-v1: mean return" in done.stdout, done.stdout
     if video:
         assert len(list((tmp_path / "videos").glob("*.mp4"))) == 2
+    # The doctor and the report read a recurrent run as any other.
+    from ppokit.cli import main
+
+    assert main(["doctor", str(run.run_dir)]) == 0
+    assert main(["report", str(run.run_dir)]) == 0 and (run.run_dir / "report.html").is_file()
 
 
 def _rows(path):
