@@ -52,6 +52,9 @@ CLI_CASES = [
     *[("kl_target", "--kl-target", v) for v in ["0", "1e999"]],
     *[("hidden_sizes", "--hidden-sizes", v) for v in ["64 64", "", "0", "-64", "1.5", "64,abc", "1e999", "2000000"]],
     ("activation", "--activation", "sigmoid"),
+    *[("recurrent", "--recurrent", v) for v in ["rnn", "LSTM", ""]],
+    *[("recurrent_hidden", "--recurrent-hidden", v) for v in ["0", "1e999", "100000", "64.5"]],
+    *[("recurrent_critic", "--recurrent-critic", v) for v in ["both", "true"]],
     *[("seed", "--seed", v) for v in ["-1", "1e999", "4294967296", "1.5"]],
     *[("device", "--device", v) for v in ["cudax", "gpu", "", "cuda:99", "CPU"]],
     *[("torch_threads", "--torch-threads", v) for v in ["0", "1e999", "-2"]],
@@ -99,6 +102,8 @@ TOML_CASES = [
     ("kl_target", "kl_target = true"),
     *[("hidden_sizes", f"hidden_sizes = {v}") for v in ["[1.5]", "[true]", "[]", '"64,64"', "[0]", "64", '["64"]']],
     ("activation", "activation = 1"),
+    *[("ortho_init", f"ortho_init = {v}") for v in ['"no"', "0"]],
+    ("recurrent", "recurrent = true"),
     *[("monitor_kl", f"monitor_kl = {v}") for v in ['"true"', "false"]],  # false: the guard rail
     ("monitor_clipfrac", "monitor_clipfrac = 1"),
     *[("unsafe", f"unsafe = {v}") for v in ['"yes"', "1"]],

@@ -98,7 +98,9 @@ def _tiny(**overrides):
 
 
 # One env per registered type: a new type must add its case here, or the round-trip test fails.
-CASES = {"actor_critic": lambda: _Cue(image=False), "encoder_actor_critic": lambda: _Cue(image=True)}
+CASES = {"actor_critic": lambda: _Cue(image=False), "encoder_actor_critic": lambda: _Cue(image=True),
+         "recurrent_actor_critic": lambda: _Cue(image=False)}
+CONFIGS = {"recurrent_actor_critic": {"recurrent": "lstm", "recurrent_hidden": 8}}  # what builds the type
 
 
 def test_every_registered_type_has_a_round_trip_case():
@@ -108,7 +110,8 @@ def test_every_registered_type_has_a_round_trip_case():
 @pytest.mark.parametrize("type_name", sorted(CASES))
 def test_every_registered_type_round_trips_with_identical_actions(type_name, tmp_path):
     factory = CASES[type_name]
-    run = ppokit.train(_tiny(), run_dir=tmp_path / "r", console_enabled=False, env=factory)
+    run = ppokit.train(_tiny(**CONFIGS.get(type_name, {})), run_dir=tmp_path / "r", console_enabled=False,
+                       env=factory)
     assert run.policy.spec()["type"] == type_name and isinstance(run.policy, Policy)
     agent = ppokit.load(run.run_dir, env=factory)
     assert type(agent.policy) is type(run.policy) and agent.policy.spec() == run.policy.spec()
@@ -118,9 +121,12 @@ def test_every_registered_type_round_trips_with_identical_actions(type_name, tmp
     obs = np.stack([env.observation_space.sample() for _ in range(32)])
     x = torch.as_tensor(obs)
     with torch.inference_mode():
-        greedy = run.policy.actor(x).argmax(-1).numpy()
+        greedy = run.policy.actor(x).argmax(-1).numpy()  # a recurrent policy's: from a fresh state
         values = run.policy.value(x).numpy()
-    np.testing.assert_array_equal(agent.act(obs), greedy)
+    if run.policy.initial_state(1) is None:
+        np.testing.assert_array_equal(agent.act(obs), greedy)
+    else:
+        assert np.array_equal(agent.predict(obs, None, np.ones(32, bool), deterministic=True)[0], greedy)
     np.testing.assert_array_equal(agent.value(obs), values)
     # The spec alone rebuilds the same class (fresh weights: load the state dict next).
     assert type(policy_from_spec(run.policy.spec())) is type(run.policy)
@@ -165,7 +171,7 @@ def test_an_unknown_policy_type_is_refused_naming_it_and_this_version(tmp_path, 
     path = _with_spec(tmp_path, {"type": "transformer_v9"})
     with pytest.raises(ckpt.CheckpointError, match=rf"policy type 'transformer_v9' is not known to ppokit "
                                                    rf"{ppokit.__version__} \(known: actor_critic, "
-                                                   r"encoder_actor_critic\)"):
+                                                   r"encoder_actor_critic, recurrent_actor_critic\)"):
         ppokit.load(path)
     capsys.readouterr()
     assert main(["eval", str(path), "--episodes", "1"]) == 2

@@ -61,8 +61,11 @@ class TinyGRU(PolicyBase):
         logp, ent, values = (torch.stack(x) for x in zip(*out))
         return logp, ent, values
 
-    def value(self, obs):
-        return self.critic(self.cell(obs.double(), self.initial_state(obs.shape[0]))).squeeze(-1).float()
+    def value(self, obs, state=None, episode_start=None):
+        # From the env's live state (the truncation bootstrap, GAE's last value); None: a fresh one.
+        h = self.initial_state(obs.shape[0]) if state is None else state
+        starts = np.zeros(obs.shape[0], dtype=bool) if episode_start is None else np.array(episode_start, dtype=bool)
+        return self.critic(self._step(obs, h, starts)).squeeze(-1).float()
 
     def actor_head(self, obs):
         return self.actor(self.cell(obs.double(), self.initial_state(obs.shape[0])))

@@ -23,7 +23,8 @@ from ppokit.config.zoo import ZOO_FILES, ZooSettings, zoo_dir, zoo_settings
 from ppokit.core import schema as S
 from ppokit.core.schema import THRESHOLDS
 
-__all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "zoo_entry", "planned_config", "diagnostics_plan", "MIN_UPDATES"]
+__all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "zoo_entry", "planned_config", "diagnostics_plan",
+           "memory_reason", "MIN_UPDATES", "NON_MARKOV"]
 
 # Fewer updates than this and PPO has too few policy-improvement steps to get anywhere on most tasks.
 MIN_UPDATES = 50
@@ -34,6 +35,8 @@ _MUJOCO_NAMES = ("HalfCheetah", "Hopper", "Walker2d", "Ant", "Humanoid", "Humano
 
 KNOWN: list[tuple[tuple[str, ...], str, dict[str, Any], str | None]] = [
     (("CartPole-v1",), "the cartpole preset = RL-Zoo's tuned PPO hyperparameters for CartPole-v1", {}, "cartpole"),
+    (("ppokit/CartPoleNoVel-v1",), "the cartpole-novel preset = RL-Zoo's tuned recurrent PPO hyperparameters for "
+     "CartPoleNoVel-v1", {}, "cartpole-novel"),
     (("Acrobot-v1",), "the acrobot preset = RL-Zoo's tuned PPO hyperparameters for Acrobot-v1", {}, "acrobot"),
     (("Pendulum-v1",), "ppokit's pendulum preset (RL-Zoo's gamma 0.9, lr 1e-3, 10 epochs, no entropy bonus; 512-step rollouts "
      "and reward scaling in place of RL-Zoo's gSDE exploration)", {}, "pendulum"),
@@ -43,6 +46,27 @@ KNOWN: list[tuple[tuple[str, ...], str, dict[str, Any], str | None]] = [
      "(MuJoCo benchmark)", {}, "mujoco"),
     (("ALE/*", "*NoFrameskip-v4"), "the atari preset = CleanRL ppo_atari.py defaults (Atari benchmark)", {}, "atari"),
 ]
+
+
+# Observations that do not show the state (not Markov), so the policy needs memory: ids that say so by name (the
+# conventions of RL-Zoo's CartPoleNoVel, POMDP benchmark suites and MiniGrid's Memory tasks), and ppokit's own
+# CartPole without velocities. A probe cannot tell hidden state from a stochastic env, so the id decides.
+NON_MARKOV: list[tuple[str, str]] = [
+    ("ppokit/CartPoleNoVel-v1", "its observation [x, theta] hides the cart's and the pole's velocities"),
+    ("*NoVel*", "its id says the velocities are left out of the observation"),
+    ("*NoVelocity*", "its id says the velocities are left out of the observation"),
+    ("*POMDP*", "its id says it is partially observed"),
+    ("*Memory*", "its id says it is a memory task"),
+]
+
+
+def memory_reason(env_id: str) -> str | None:
+    """Why ``env_id``'s policy needs a recurrent core (``NON_MARKOV``), or None."""
+    for pattern, why in NON_MARKOV:
+        if fnmatch.fnmatchcase(env_id, pattern):
+            return (f"{why}: one observation is not the state (not Markov), so the policy must remember the ones "
+                    "before; an LSTM core does (PPO-LSTM, as RL-Zoo's ppo_lstm)")
+    return None
 
 
 @dataclass
@@ -304,6 +328,9 @@ class Plan:
             ("4. gamma", f"{c.gamma:g}", r.get("gamma", "")),
             ("4. GAE lambda", f"{c.gae_lambda:g}", r.get("gae_lambda", "")),
         ]
+        if c.recurrent != "none":
+            rows.append(("network: recurrent core", f"--recurrent {c.recurrent} ({c.recurrent_hidden} units, "
+                         f"{c.recurrent_critic} critic core)", r.get("recurrent", "")))
         for name in ("normalize_obs", "normalize_reward", "max_grad_norm", "target_kl"):
             if name in r:
                 rows.append((name, str(getattr(c, name)), r[name]))
@@ -449,6 +476,10 @@ def make_plan(env_id: str, budget: int | None, overrides: dict[str, Any] | None 
             if k in values:
                 reasons[k] = f"{role}: {values[k]!r} as in {cite}"
         reasons["norm_adv"] = f"on as in {cite}; required by the guard rails"
+        if base.recurrent != "none":
+            why = memory_reason(env_id)
+            reasons["recurrent"] = (f"{base.recurrent}, {base.recurrent_hidden} units, {base.recurrent_critic} critic "
+                                    f"core as in {cite}" + (f"; {why}" if why else ""))
         config = PPOConfig.from_dict(values, base)
         notes += _short_budget_note(config, budget)
     else:
@@ -456,6 +487,10 @@ def make_plan(env_id: str, budget: int | None, overrides: dict[str, Any] | None 
         if not pr.probed:
             raise ValueError(f"cannot plan {env_id!r}: it is not a known environment and could not be probed")
         values = _rule_based(pr, budget, reasons)
+        why = memory_reason(env_id)
+        if why is not None:
+            values["recurrent"] = "lstm"
+            reasons["recurrent"] = f"lstm: {why}"
         notes = pr.notes + [n for n in notes if n not in pr.notes]
         config = PPOConfig.from_dict(values, base)
     config = PPOConfig.from_dict({"env_id": env_id, "total_timesteps": budget, "monitor_kl": True,

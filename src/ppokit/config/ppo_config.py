@@ -34,6 +34,8 @@ __all__ = ["PPOConfig", "ConfigError", "PRESETS_DIR", "list_presets", "load_pres
 PRESETS_DIR = Path(__file__).parent / "presets"
 
 ACTIVATIONS = ("tanh", "relu")
+RECURRENT = ("none", "lstm", "gru")
+RECURRENT_CRITICS = ("separate", "shared")
 VECTOR_MODES = ("sync", "async", "native", "envpool")
 
 # The trust-region guard rails (docs/diagnostics.md, "Guard rails"): beyond these a run is refused unless marked
@@ -108,6 +110,15 @@ class PPOConfig:
     # --- network ---
     hidden_sizes: list[int] = _f([64, 64], "hidden layer widths of the actor and critic MLPs, e.g. 64,64")
     activation: str = _f("tanh", "hidden activation: tanh or relu")
+    ortho_init: bool = _f(True, "orthogonal init of the layers (PPO's implementation details); off: PyTorch's default "
+                          "init (SB3's ortho_init=False)")
+    # CleanRL's ppo_atari_lstm width: the default serves images (512 CNN features) and vectors alike; small vector
+    # tasks tune it down (RL-Zoo's CartPoleNoVel-v1: 64, the cartpole-novel preset).
+    recurrent: str = _f("none", "recurrent core after the observation encoder: none, lstm or gru (for observations "
+                        "that do not show the state, e.g. hidden velocities; hidden_sizes are then the heads')")
+    recurrent_hidden: int = _f(128, "units of the recurrent core (with recurrent lstm or gru)")
+    recurrent_critic: str = _f("separate", "the critic's recurrent core: separate (its own, sb3-contrib's "
+                               "enable_critic_lstm) or shared (the actor's, CleanRL's)")
     # --- monitoring (guard rails require both) ---
     monitor_kl: bool = _f(True, "monitor approx KL every update (required unless --unsafe)")
     monitor_clipfrac: bool = _f(True, "monitor the clip fraction every update (required unless --unsafe)")
@@ -229,6 +240,11 @@ class PPOConfig:
              f"got {self.recurrent_seq_len!r}")
         need(self.algo in ALGOS, "algo", f"must be one of {', '.join(ALGOS)}, got {self.algo!r}")
         need(self.activation in ACTIVATIONS, "activation", f"must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        need(self.recurrent in RECURRENT, "recurrent", f"must be one of {', '.join(RECURRENT)}, got {self.recurrent!r}")
+        need(self.recurrent_critic in RECURRENT_CRITICS, "recurrent_critic",
+             f"must be one of {', '.join(RECURRENT_CRITICS)}, got {self.recurrent_critic!r}")
+        need(isinstance(self.recurrent_hidden, int) and 1 <= self.recurrent_hidden <= 1 << 16, "recurrent_hidden",
+             f"must be an integer in [1, {1 << 16}], got {self.recurrent_hidden!r}")
         need(self.vector_mode in VECTOR_MODES, "vector_mode",
              f"must be one of {', '.join(VECTOR_MODES)}, got {self.vector_mode!r}")
         need(len(self.hidden_sizes) >= 1 and all(isinstance(h, int) and 1 <= h <= 1 << 20 for h in self.hidden_sizes),

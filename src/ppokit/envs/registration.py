@@ -1,4 +1,5 @@
-"""Registering ppokit's own environments with gymnasium (``ppokit/GridWorld-v0``, ``ppokit/GridWorldWalls-v0``)."""
+"""Registering ppokit's own environments with gymnasium (``ppokit/GridWorld-v0``, ``ppokit/GridWorldWalls-v0``,
+``ppokit/CartPoleNoVel-v1``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from ppokit.envs.gridworld import DEFAULT_MAX_EPISODE_STEPS
 
 GRIDWORLD_ID = "ppokit/GridWorld-v0"
 GRIDWORLD_WALLS_ID = "ppokit/GridWorldWalls-v0"  # walls and an action mask (no natively batched version)
+CARTPOLE_NOVEL_ID = "ppokit/CartPoleNoVel-v1"  # CartPole-v1 observing [x, theta]: not Markov (cartpole_novel.py)
 
 
 def register_envs() -> None:
@@ -26,4 +28,12 @@ def register_envs() -> None:
             entry_point="ppokit.envs.gridworld:GridWorldWallsEnv",
             reward_threshold=0.93,  # 0.02 below the optimum 0.95, as for GridWorld
             max_episode_steps=DEFAULT_MAX_EPISODE_STEPS,
+        )
+    if CARTPOLE_NOVEL_ID not in gym.registry:
+        gym.register(
+            id=CARTPOLE_NOVEL_ID,
+            entry_point="ppokit.envs.cartpole_novel:CartPoleNoVelEnv",
+            vector_entry_point="ppokit.envs.cartpole_novel:CartPoleNoVelVectorEnv",
+            reward_threshold=475.0,  # CartPole-v1's
+            max_episode_steps=500,
         )

@@ -1,5 +1,5 @@
-"""The policy protocol and registry, the flat-MLP actor-critic, and the encoder networks for images and Dict
-observations. Importing this package registers every built-in policy type.
+"""The policy protocol and registry, the flat-MLP actor-critic, the encoder networks for images and Dict
+observations, and the recurrent (LSTM/GRU) actor-critic. Importing this package registers every built-in policy type.
 """
 
 from ppokit.policies.actor_critic import (
@@ -14,8 +14,9 @@ from ppokit.policies.actor_critic import (
                                           layer_init,
                                           mask_logits,
 )
-from ppokit.policies.build import build_policy
+from ppokit.policies.build import build_policy, config_policy
 from ppokit.policies.encoder_networks import EncoderActorCritic
+from ppokit.policies.recurrent import RecurrentActorCritic
 from ppokit.policies.registry import (
                                           DEFAULT_POLICY_TYPE,
                                           PolicySpecError,
@@ -26,5 +27,6 @@ from ppokit.policies.registry import (
 )
 
 __all__ = ["ACTIVATIONS", "DEFAULT_POLICY_TYPE", "MASKED_LOGIT", "ActorCritic", "EncoderActorCritic", "Policy",
-           "PolicyBase", "PolicySpecError", "StatefulPolicy", "action_spec", "build_policy", "frozen_copy", "layer_init",
+           "PolicyBase", "PolicySpecError", "RecurrentActorCritic", "StatefulPolicy", "action_spec", "build_policy",
+           "config_policy", "frozen_copy", "layer_init",
            "mask_logits", "policy_from_spec", "policy_types", "register_policy", "spec_type"]

@@ -99,8 +99,9 @@ class Policy(Protocol):
                  action_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(logp_new [B], entropy [B], values [B])`` of stored ``actions`` (under the stored mask)."""
 
-    def value(self, obs: Any) -> Tensor:
-        """State values ``[B]``."""
+    def value(self, obs: Any, state: Any = None, episode_start: Any = None) -> Tensor:
+        """State values ``[B]``; a stateful policy's from ``state`` (rows as in ``act``, reset where
+        ``episode_start``; None: a fresh state). A stateless one ignores both."""
 
     def spec(self) -> dict:
         """Constructor arguments plus ``"type"`` (the registered name): ``policy_from_spec`` rebuilds it."""
@@ -212,8 +213,8 @@ class ActorCritic(PolicyBase):
         if kind == "continuous":
             self.log_std = nn.Parameter(torch.zeros(action_dims[0]))
 
-    def value(self, obs: Tensor) -> Tensor:
-        """State values ``[B, obs_dim] -> [B]``."""
+    def value(self, obs: Tensor, state: None = None, episode_start: Any = None) -> Tensor:
+        """State values ``[B, obs_dim] -> [B]`` (stateless: ``state`` and ``episode_start`` are ignored)."""
         return self.critic(obs).squeeze(-1)
 
     # ------------------------------------------------------------------ the two calls PPO makes

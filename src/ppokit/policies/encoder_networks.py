@@ -126,8 +126,8 @@ class EncoderActorCritic(PolicyBase):
         """The actor's output (logits or the Gaussian mean) ``[B, n_out]``."""
         return self.actor_head(self.trunk(obs))
 
-    def value(self, obs) -> Tensor:
-        """State values ``[B]``."""
+    def value(self, obs, state: None = None, episode_start: Any = None) -> Tensor:
+        """State values ``[B]`` (stateless: ``state`` and ``episode_start`` are ignored)."""
         return self.critic_head(self.trunk(obs)).squeeze(-1)
 
     def act(self, obs, state: None, episode_start: Any, action_mask: Tensor | None = None,

@@ -11,8 +11,9 @@ checkpoints. What it adds to the loop:
   (``RolloutBuffer.record_state``, from which the update replays each chunk); nothing for a stateless one;
 * the normalizers: observation statistics updated on the finite steps, rewards scaled as they arrive;
 * under SAME_STEP autoreset a truncated episode's value bootstrapped from ``info["final_obs"]``, since the
-  observation returned is already the next episode's;
-* what carries from one rollout to the next, for a checkpoint (``loop_state``);
+  observation returned is already the next episode's (a stateful policy's from the state its env had there);
+* what carries from one rollout to the next, for a checkpoint (``loop_state``), a stateful policy's live state
+  per env included;
 * every second of the rollout booked to ``perf``: acting to "inference", stepping and result handling to "env";
 * one in-process env on the CPU (MuJoCo's setting): the same loop on scalars, ``one_env.py``, bit for bit.
 
@@ -40,7 +41,7 @@ from ppokit.rollout.loop import EnvLoop, Step
 from ppokit.rollout.normalize import ObsNormalizer, RewardScaler
 from ppokit.rollout.source import Episodes
 
-__all__ = ["Collector", "allocate_buffer"]
+__all__ = ["Collector", "allocate_buffer", "bootstrap_values"]
 
 
 class Collector(EnvLoop):
@@ -116,12 +117,18 @@ class Collector(EnvLoop):
         }
         if self.masked:
             state["next_mask"] = torch.from_numpy(self.next_mask.copy())
+        if self.policy_state is not None:  # a stateful policy: each env's live state and its episode-start flag
+            state["policy_state"] = _state_copy(self.policy_state)
+            state["episode_start"] = torch.from_numpy(np.array(self.episode_start, dtype=bool))
         return state
 
     def load_loop_state(self, loop: dict[str, torch.Tensor]) -> None:
-        """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes).
-        The policy's state is not in it: every env's starts afresh."""
+        """Restore ``loop_state()`` (only together with the env's own state: the two describe the same episodes),
+        a stateful policy's live state with it (a loop state without one starts every env's afresh)."""
         self.fresh_policy_state()
+        if self.policy_state is not None and "policy_state" in loop:
+            self.policy_state = _state_load(loop["policy_state"], self.policy_state)
+            self.episode_start = loop["episode_start"].numpy().astype(bool)
         self.next_obs_raw = obs_map(lambda t: t.numpy().copy(), loop["next_obs_raw"])
         self.ep_return = loop["ep_return"].numpy().copy()
         self.ep_length = loop["ep_length"].numpy().copy()
@@ -204,7 +211,8 @@ class Collector(EnvLoop):
                                          else next_obs_t)
                 obs = self.normalize(next_obs_t)
             if self.same_step and r.truncated.any():
-                self._bootstrap_truncated(t, r.truncated, r.info, global_step + (t + 1) * N, global_step)
+                self._bootstrap_truncated(t, r.truncated, r.info, global_step + (t + 1) * N, global_step,
+                                          self.policy_state)
             return True
 
         step, t_inference = self.run(self.num_steps, act_and_store, store, step=global_step)
@@ -225,9 +233,11 @@ class Collector(EnvLoop):
         self.perf["env"] += time.perf_counter() - t_start - t_inference
         return self.episodes(), nonfinite
 
-    def _bootstrap_truncated(self, t: int, truncated: np.ndarray, info: dict, step: int, rollout_start: int) -> None:
+    def _bootstrap_truncated(self, t: int, truncated: np.ndarray, info: dict, step: int, rollout_start: int,
+                             state: Any = None) -> None:
         """SAME_STEP autoreset: the returned obs is already the new episode's; store V(true final obs) for the
-        truncated envs of step ``t`` (``buffer.next_values`` reads it in place of V(next obs))."""
+        truncated envs of step ``t`` (``buffer.next_values`` reads it in place of V(next obs)), a stateful
+        policy's from ``state``, the state its step-``t`` action left (the episode's, not yet reset)."""
         buf, dev = self.buffer, self.device
         idx = np.flatnonzero(truncated)
         final_obs = info["final_obs"]
@@ -244,11 +254,43 @@ class Collector(EnvLoop):
                             detail=f"info['final_obs'] of a truncated episode is unusable: {exc}")
         final = self.encoder.zero_nonfinite(final)
         final_t = self.normalize(obs_to_tensor(final, dev))
-        with torch.inference_mode():
-            fv = self.policy.value(final_t)
         idx_t = torch.as_tensor(idx, device=dev)
+        with torch.inference_mode():
+            fv = self.policy.value(final_t) if state is None else self.policy.value(final_t, state[idx_t])
         buf.final_values[t, idx_t] = fv
         buf.has_final[t, idx_t] = True
+
+
+def bootstrap_values(policy: Any, source: Any) -> torch.Tensor:
+    """V ``[N]`` of the observation after the rollout (GAE's bootstrap), a stateful policy's from the state the
+    rollout left (``source.policy_state``, reset where ``source.episode_start``)."""
+    state = getattr(source, "policy_state", None)
+    with torch.inference_mode():
+        if state is None:
+            return policy.value(source.last_obs)
+        return policy.value(source.last_obs, state, source.episode_start)
+
+
+def _state_copy(state: Any) -> Any:
+    """A policy state (a tensor, or a tuple/list/dict of tensors) copied to the CPU, as a checkpoint holds it."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu().clone()
+    if isinstance(state, dict):
+        return {k: _state_copy(v) for k, v in state.items()}
+    return [_state_copy(v) for v in state]
+
+
+def _state_load(saved: Any, like: Any) -> Any:
+    """``saved`` (``_state_copy``'s) moved to the device, dtype and structure of ``like`` (a fresh state);
+    ValueError when its shapes are not those of ``like``."""
+    if isinstance(like, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != like.shape:
+            raise ValueError(f"the saved policy state has shape {getattr(saved, 'shape', type(saved).__name__)}, "
+                             f"this policy's is {tuple(like.shape)}")
+        return saved.to(device=like.device, dtype=like.dtype).clone()
+    if isinstance(like, dict):
+        return {k: _state_load(saved[k], v) for k, v in like.items()}
+    return type(like)(_state_load(s, v) for s, v in zip(saved, like))
 
 
 def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.device,

@@ -153,7 +153,7 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
         if same_step and truncated:
             info = envs._add_info({}, {"final_obs": final_obs}, 0)  # the vector env's own info["final_obs"]
             write_back()  # an unusable final observation fails (and saves) from here, as in the general loop
-            c._bootstrap_truncated(t, np.ones(1, dtype=bool), info, step, rollout_start)
+            c._bootstrap_truncated(t, np.ones(1, dtype=bool), info, step, rollout_start, state)
         next_raw = raw
     write_back()
     if nonfinite and not any_valid:

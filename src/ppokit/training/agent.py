@@ -261,6 +261,8 @@ def describe_policy_spec(spec: Any) -> str:
     encoding = spec.get("obs_encoding")
     if spec.get("type", "actor_critic") != "actor_critic" and isinstance(encoding, dict):
         text += f" ({encoding.get('type')} observations, {spec.get('type')})"  # an image or Dict/Tuple policy
+    if "cell" in spec:  # a recurrent policy
+        text += f", {spec.get('cell')} core of {spec.get('recurrent_hidden')} ({spec.get('critic')} critic core)"
     return text
 
 

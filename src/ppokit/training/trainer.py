@@ -36,9 +36,9 @@ from ppokit.kernels.acting import ActingKernel
 from ppokit.kernels.flat_adam import FlatAdam
 from ppokit.kernels.fused_step import FusedStep
 from ppokit.kernels.mlp_backward import supports as fused_supports
-from ppokit.policies import ActorCritic, Policy, build_policy
+from ppokit.policies import ActorCritic, Policy, config_policy
 from ppokit.policies.build import policy_parameters
-from ppokit.rollout.collector import Collector
+from ppokit.rollout.collector import Collector, bootstrap_values
 from ppokit.rollout.evaluation import evaluate_first_episodes
 from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
 from ppokit.rollout.source import RolloutBackend, RolloutSource, policy_lag
@@ -129,14 +129,14 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         try:  # validate() assumed one float per observation; now the real sizes are known, before anything big
             encoder = observation_encoder(obs_space)
             check_memory(cfg, encoder.flat_dim, layout_bytes(encoder.layout()),  # images are stored as bytes
-                         policy_parameters(obs_space, act_space, cfg.hidden_sizes, cfg.activation))
+                         policy_parameters(obs_space, act_space, cfg.hidden_sizes, cfg.activation, cfg))
         except ConfigError:
             self.envs.close()
             raise
         # ``policy``: a factory (observation space, action space, config) -> Policy, e.g. a registered type (the
         # memory check above counted the default policy's parameters).
         try:
-            self.policy = (build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation) if policy is None
+            self.policy = (config_policy(obs_space, act_space, cfg) if policy is None  # recurrent: recurrent.py
                            else policy(obs_space, act_space, cfg)).to(self.device)
             if self.policy.initial_state(1) is not None and not hasattr(self.policy, "evaluate_sequence"):
                 raise ConfigError("policy", f"{type(self.policy).__name__} is stateful (initial_state is not None) "
@@ -423,8 +423,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
     def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:
         """GAE over the rollout, flattened to the batch of valid steps."""
         cfg, buf = self.config, self.buffer
-        with torch.inference_mode():
-            last_values = self.policy.value(self.collector.last_obs)
+        last_values = bootstrap_values(self.policy, self.collector)  # a stateful policy's from its live state
         next_values = buf.next_values(last_values)
         advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,
                                   cfg.gamma, cfg.gae_lambda)
