@@ -27,6 +27,7 @@ state first) builds the ``EnvError`` that is raised.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from typing import Any, Callable
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from ppokit.core.errors import ConfigError
+from ppokit.envs.atari import finished_games, records_games
 from ppokit.envs.encoders import MASK_KEY, obs_copy_, obs_index, obs_map, obs_to_tensor, observation_encoder
 from ppokit.envs.errors import EnvError, batch_ok, check_obs_batch, check_step_batch, env_failure
 from ppokit.envs.watchdog import NO_WATCHDOG, EnvTimeout
@@ -96,6 +98,10 @@ class Collector:
         self.ep_return = np.zeros(N, dtype=np.float64)  # raw, unscaled rewards
         self.ep_length = np.zeros(N, dtype=np.int64)
         self.prev_done = np.zeros(N, dtype=bool)
+        # Atari: the episodes reported are whole games (score, length) from the env's info (envs/atari.py); the
+        # training episodes (one life, clipped rewards) go to ``life_episodes``.
+        self.whole_games = records_games(envs, env_id)
+        self.life_episodes: Episodes = []
         self.fresh_policy_state()
         self.last_obs: torch.Tensor | None = None  # [N, obs_dim] the normalized obs after the rollout (GAE's bootstrap)
         self._one_env = self.one_env_path and one_env.applies(self)
@@ -173,6 +179,7 @@ class Collector:
         ep_returns: list[np.ndarray] = []
         ep_lengths: list[np.ndarray] = []
         nonfinite = 0
+        games: Episodes = []
         obs_space = self.envs.single_observation_space
         obs_shape = (N, *obs_space.shape) if obs_space.shape is not None else None  # None: a Dict/Tuple
         encode, check_values = self.encoder.encode, self.encoder.check_values  # check_values: None for a Box
@@ -264,6 +271,8 @@ class Collector:
             if ended.any():
                 ep_returns.append(self.ep_return[ended])
                 ep_lengths.append(self.ep_length[ended])
+                if self.whole_games:
+                    games.extend(finished_games(info))
             self.ep_return[done] = 0.0
             self.ep_length[done] = 0
             # The next observation starts an episode where this step ended one (SAME_STEP), or where this step
@@ -308,6 +317,8 @@ class Collector:
         self.last_obs = obs
         episodes = list(zip(np.concatenate(ep_returns).tolist(), np.concatenate(ep_lengths).tolist())) \
             if ep_returns else []
+        if self.whole_games:
+            self.life_episodes, episodes = episodes, games
         self.perf["inference"] += t_inference
         self.perf["env"] += time.perf_counter() - t_start - t_inference
         return episodes, nonfinite
@@ -492,11 +503,27 @@ def allocate_buffer(policy: Any, num_steps: int, num_envs: int, device: torch.de
 def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int,
                             max_steps: int, env_id: str, global_step: int,
                             action_bounds: tuple[np.ndarray, np.ndarray] | None,
-                            fail: Callable[[str, BaseException], EnvError], watchdog: Any = NO_WATCHDOG) -> float:
-    """Mean return of the first episode of each env of ``envs``, acting deterministically on ``actor``'s output
-    (logits or Gaussian mean: no critic, no log-prob), or on ``policy.act`` with its state for a stateful policy.
-    ``fail(phase, exc)`` builds the error an env failure raises; ``watchdog`` bounds each reset and step
-    (``envs.watchdog``)."""
+                            fail: Callable[[str, BaseException], EnvError], watchdog: Any = NO_WATCHDOG,
+                            deterministic: bool = True) -> float:
+    """Mean return of the first episode of each env of ``envs``, acting on ``actor``'s output (logits or Gaussian
+    mean: no critic, no log-prob), or on ``policy.act`` with its state for a stateful policy: the most likely
+    action / the mean, or (``deterministic=False``) a sample, drawn in a forked RNG seeded with ``seed``, so that
+    the training run's random stream is the same either way. ``fail(phase, exc)`` builds the error an env failure
+    raises; ``watchdog`` bounds each reset and step (``envs.watchdog``)."""
+    run = functools.partial(_first_episodes, envs, policy, actor, normalize, seed=seed, max_steps=max_steps,
+                            env_id=env_id, global_step=global_step, action_bounds=action_bounds, fail=fail,
+                            watchdog=watchdog, greedy=deterministic)
+    if deterministic:
+        return run()
+    device = next(policy.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return run()
+
+
+def _first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int, max_steps: int,
+                    env_id: str, global_step: int, action_bounds: tuple[np.ndarray, np.ndarray] | None,
+                    fail: Callable[[str, BaseException], EnvError], watchdog: Any, greedy: bool) -> float:
     import gymnasium as gym
 
     from ppokit.envs.factory import autoreset_mode
@@ -522,9 +549,10 @@ def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: 
         mask_t = None if mask is None else torch.as_tensor(mask, device=device)
         with torch.inference_mode():
             if state is None:
-                actions = policy.sample(mask_logits(actor(normalize(obs_t)), mask_t), deterministic=True)
+                actions = policy.sample(mask_logits(actor(normalize(obs_t)), mask_t), deterministic=greedy)
             else:
-                actions, _, _, state = policy.act(normalize(obs_t), state, episode_start, mask_t, deterministic=True)
+                actions, _, _, state = policy.act(normalize(obs_t), state, episode_start, mask_t,
+                                                  deterministic=greedy)
         actions = actions.cpu().numpy()
         if action_bounds is not None:
             actions = np.clip(actions, *action_bounds)
