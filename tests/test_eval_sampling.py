@@ -36,8 +36,8 @@ def test_the_gate_samples_when_eval_deterministic_is_off_and_training_is_unchang
     # The gate's draws come from a forked RNG: the training itself is the same run, value for value.
     assert _training(greedy) == _training(sampled)
     assert [m[S.EVAL_RETURN] for m in sampled] == [m[S.EVAL_RETURN] for m in again]  # seeded by the gate's seed
-    # A near-uniform policy on CartPole: the argmax repeats one action and falls within ~10 steps, samples last
-    # about twice as long, so the two gates differ.
+    # Greedy and sampled actions play different episodes (measured: 96.5, 105.4, 74.2 greedy; the sampled gate
+    # differs), so the setting reaches the gate.
     assert [m[S.EVAL_RETURN] for m in greedy] != [m[S.EVAL_RETURN] for m in sampled]
     assert all(math.isfinite(m[S.EVAL_RETURN]) for m in sampled)
 
