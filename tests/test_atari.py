@@ -195,3 +195,65 @@ def test_a_short_atari_run_trains_on_uint8_frames_and_evaluates_the_game_score(t
     result = ppokit.evaluate(ppokit.load(tmp_path / "run"), episodes=1)
     # One whole game (all 5 lives) and its unclipped score.
     assert result["returns"][0] == int(result["returns"][0]) >= 0 and result["lengths"][0] > 20
+
+
+class GameRecorder(gym.Wrapper):
+    """Placed right above ``AtariPreprocessing`` (one agent step per step): each whole game's summed raw reward
+    and step count, closed where the game itself ends (the emulator's termination or truncation)."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.games, self.score, self.length = [], 0.0, 0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.score += float(reward)
+        self.length += 1
+        if terminated or truncated:
+            self.games.append((self.score, self.length))
+            self.score, self.length = 0.0, 0
+        return obs, reward, terminated, truncated, info
+
+
+def test_a_training_rollout_logs_whole_game_scores_and_the_clipped_life_return(tmp_path):
+    from ppokit.config.ppo_config import load_preset
+    from ppokit.core import schema as S
+    from ppokit.training.trainer import Trainer
+
+    cfg = load_preset("atari")
+    cfg.env_id, cfg.num_envs, cfg.num_steps, cfg.num_minibatches, cfg.update_epochs = "ALE/SpaceInvaders-v5", 2, 1024, 2, 1
+    cfg.total_timesteps, cfg.tensorboard, cfg.eval_every = 2048, False, 0
+    trainer = Trainer(cfg, run_dir=tmp_path / "run", console_enabled=False)
+    recorders = []
+    for env in trainer.envs.envs:  # observe each env right above AtariPreprocessing: beneath every ppokit wrapper
+        while not isinstance(env.env, gym.wrappers.AtariPreprocessing):
+            env = env.env
+        env.env = GameRecorder(env.env)
+        recorders.append(env.env)
+    trainer.collector.reset(cfg.seed)  # the trainer's own first reset again, now seen by the recorders
+    rollouts = []
+    collect = trainer.collect_rollout
+
+    def recorded_rollout():
+        episodes, nonfinite = collect()
+        rollouts.append((list(episodes), list(trainer.collector.life_episodes)))
+        return episodes, nonfinite
+
+    trainer.collect_rollout = recorded_rollout
+    run = trainer.run()
+    (games, lives), = rollouts
+    metrics = run.metrics[-1]
+    truth = [g for r in recorders for g in r.games]
+    assert len(truth) >= 2  # random SpaceInvaders: a game of 3 lives is ~500-900 steps
+    # Every logged episode is a whole game, its unclipped score and its length; order across envs aside, the same.
+    assert sorted(games) == sorted(truth)
+    assert metrics[S.EPISODES] == len(truth)
+    assert metrics[S.EPISODIC_RETURN] == pytest.approx(np.mean([s for s, _ in truth]))
+    assert metrics[S.EPISODIC_LENGTH] == pytest.approx(np.mean([n for _, n in games]))
+    # Each game spans several training episodes (3 lives); their clipped returns are logged under their own name.
+    assert len(lives) >= 3 * len(truth) and max(n for _, n in games) > max(n for _, n in lives)
+    assert metrics[S.LIFE_RETURN] == pytest.approx(np.mean([r for r, _ in lives]))
+    assert set(S.ATARI_METRICS) <= set(metrics)
+    assert all(r == int(r) >= 0 for r, _ in lives)  # sums of reward signs
+    # SpaceInvaders scores 5-30 a hit: a game's score is well above the signs of its lives' rewards.
+    assert sum(s for s, _ in games) > 2 * sum(r for r, _ in lives)

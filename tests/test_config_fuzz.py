@@ -123,6 +123,7 @@ TOML_CASES = [
     ("eval_every", "eval_every = true"),
     *[("eval_threshold", f"eval_threshold = {v}") for v in ["true", '"500"']],
     ("eval_episodes", "eval_episodes = false"),
+    *[("eval_deterministic", f"eval_deterministic = {v}") for v in ['"no"', "1"]],
     # The file itself: an unknown key or table, a key beside [ppo] that would be ignored.
     ("foo", "foo = 1"),
     ("extra", "[extra]\nx = 1"),

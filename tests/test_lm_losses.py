@@ -138,3 +138,28 @@ def test_a_registered_loss_is_what_a_trainer_trains_with_when_the_config_names_i
         assert math.isfinite(m[S.POLICY_LOSS])
     finally:
         LOSSES.pop("test_counted_ppo")
+
+
+def test_the_ratio_diagnostics_are_means_over_the_real_tokens_only():
+    # Padding positions have ratio 1 (k3 = k1 = 0, never clipped): counted in the denominator they would shrink
+    # every diagnostic by the padding's share (here 6 of 15 positions).
+    logp, logp_old, _, adv, mask = _tokens(5)
+    eps = 0.2
+    _, stats = get_loss("ppo")(logp, logp_old, None, adv, mask, LossSettings(clip_coef=eps))
+    lr = (logp.detach() - logp_old)[mask]  # log-ratios of the real tokens, by hand
+    k3 = float((lr.exp() - 1 - lr).mean())  # (r - 1) - log r, objectives.approx_kl_k3
+    k1 = float((-lr).mean())
+    clipped = float(((lr.exp() - 1).abs() > eps).double().mean())
+    assert 0 < clipped < 1  # the case can tell a mean over real tokens from one over every position
+    assert float(stats["approx_kl"]) == pytest.approx(k3, rel=1e-9)
+    assert float(stats["approx_kl_k1"]) == pytest.approx(k1, rel=1e-9)
+    assert float(stats["clipfrac"]) == pytest.approx(clipped, rel=1e-6)  # a float32 share
+
+
+def test_settings_for_carries_each_lm_config_knob_into_the_loss():
+    from ppokit.lm import LMConfig
+    from ppokit.lm.losses import settings_for
+
+    cfg = LMConfig(clip_coef=0.1, loss_reduction="seq_mean_token_sum_norm", max_new_tokens=7)
+    assert settings_for(cfg, beta=0.3) == LossSettings(clip_coef=0.1, beta=0.3, reduction="seq_mean_token_sum_norm",
+                                                       normalizer=7)

@@ -19,8 +19,9 @@ def test_every_logged_metric_is_in_the_schema(tmp_path):
     perf = {f(p) for p in PERF_PHASES for f in (S.perf_time, S.perf_frac)}
     assert logged - perf <= set(METRICS), sorted(logged - perf - set(METRICS))
     # ... and the schema names nothing the trainer does not log (but the CSV's own step column; the policy lag
-    # comes with a source whose actors may lag, test_rollout_source.py).
-    assert set(METRICS) - logged - set(S.LM_METRICS) - set(S.STALE_SOURCE_METRICS) == {S.GLOBAL_STEP}
+    # comes with a source whose actors may lag, test_rollout_source.py; the Atari metrics with an ALE game).
+    assert set(METRICS) - logged - set(S.LM_METRICS) - set(S.STALE_SOURCE_METRICS) - set(S.ATARI_METRICS) == {
+        S.GLOBAL_STEP}
     for m in METRICS.values():
         assert m.meaning, m.name
 

@@ -13,8 +13,9 @@ def add_parser(sub) -> None:
                        "a run dir never decides on its own what code is imported.")
     p.add_argument("run_dir", help="run directory (or checkpoint file)")
     p.add_argument("--episodes", type=int, default=10, help="episodes to run (default: 10)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                   help="greedy/mean actions (default) or sampled (--no-deterministic)")
+    p.add_argument("--eval-deterministic", "--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   dest="deterministic", help="the most likely / mean action, or a sample (--no-eval-deterministic, "
+                   "as CleanRL's published Atari scores); default: the run's eval_deterministic (true unless set)")
     p.add_argument("--video", default=None, metavar="DIR", help="record every episode to DIR with RecordVideo")
     p.add_argument("--env", default=None, help="evaluate on another env id with the run's spaces (default: the "
                    "run's); a 'module:Env-v0' id given here imports module")
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
             from ppokit.envs.video import prepare_offscreen
 
             prepare_offscreen(args.env or agent.env_id)  # before the env (and MuJoCo's renderer) is built
+        if args.deterministic is None:
+            args.deterministic = agent.config.eval_deterministic
         result = evaluate(agent, args.env, episodes=args.episodes, deterministic=args.deterministic,
                           seed=args.seed, video_dir=args.video, env_kwargs=env_kwargs,
                           progress=EvalProgress(args.episodes, err))

@@ -148,6 +148,9 @@ class PPOConfig:
     eval_threshold: float | None = _f(None, "mean deterministic evaluation return that ends the run (needs "
                                              "eval_every > 0)")
     eval_episodes: int = _f(16, "episodes per evaluation, run in parallel (one per env of a vectorized env)")
+    eval_deterministic: bool = _f(True, "the evaluation gate (and ppokit eval of this run) acts on the most likely "
+                                        "action / the mean; false samples from the policy, as CleanRL's published "
+                                        "Atari scores do")
 
     # ---------------------------------------------------------------- derived sizes
     @property

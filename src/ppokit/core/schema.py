@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Metric", "METRICS", "LM_METRICS", "STALE_SOURCE_METRICS", "THRESHOLDS", "perf_time", "perf_frac", "KL_WARN", "KL_ALERT", "CLIPFRAC_HEALTHY",
+__all__ = ["Metric", "METRICS", "LM_METRICS", "STALE_SOURCE_METRICS", "ATARI_METRICS", "THRESHOLDS", "perf_time", "perf_frac", "KL_WARN", "KL_ALERT", "CLIPFRAC_HEALTHY",
            "CLIPFRAC_HIGH", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE", "KL_STOP_FACTOR", "EV_MIN"]
 
 
@@ -84,10 +84,16 @@ EPISODIC_RETURN = _metric("charts/episodic_return", "mean raw return of the epis
                           "(NaN: none finished)", "rises towards the task's threshold")
 EPISODIC_LENGTH = _metric("charts/episodic_length", "mean length of the episodes that finished in the update")
 EPISODES = _metric("charts/episodes", "episodes that finished in the update")
+# Logged only where the episodes are whole games (Atari; tests/test_atari.py checks it is).
+LIFE_RETURN = _metric("charts/life_return", "Atari only: mean clipped return (reward signs) of the training episodes "
+                      "that finished in the update, one life each; charts/episodic_return and episodic_length are "
+                      "there the whole games' unclipped score and length (CleanRL's figures)")
+ATARI_METRICS = (LIFE_RETURN,)
 LEARNING_RATE = _metric("charts/learning_rate", "the update's learning rate (annealed or constant)", "> 0")
 CLIP_COEF = _metric("charts/clip_coef", "the update's clip range eps", "0.1-0.3, typical 0.2")
 KL_BETA = _metric("charts/kl_beta", "the KL penalty's coefficient beta (ppo-kl's adaptive rule)")
-EVAL_RETURN = _metric("charts/eval_return", "mean return of the deterministic evaluation gate (NaN between gates)")
+EVAL_RETURN = _metric("charts/eval_return", "mean return of the evaluation gate, greedy or sampled by eval_deterministic "
+                      "(NaN between gates)")
 
 POLICY_LOSS = _metric("losses/policy_loss", "signed clipped-surrogate term (minimized)", "finite")
 VALUE_LOSS = _metric("losses/value_loss", "signed value-function term", "finite")

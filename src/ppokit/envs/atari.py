@@ -6,6 +6,9 @@ The stack, inside out (one env; the trainer vectorizes it with Gymnasium's Sync/
 2. Gymnasium's ``AtariPreprocessing`` (exact for these details): no-op reset of 1-30 random no-ops (detail 1),
    the action repeated 4 frames with the max of the last two frames (detail 2, max-and-skip), 84x84 grayscale
    (detail 5, ``cv2.INTER_AREA`` as in Mnih et al. 2015), uint8;
+   ``GameStatistics`` on top of it records the unclipped score and the length (agent steps) of each whole game,
+   beneath the life and clipping wrappers, where CleanRL's ``ppo_atari.py`` puts ``RecordEpisodeStatistics``: the
+   training curve's ``charts/episodic_return`` is then the game score published figures report;
 3. ``EpisodicLife`` (ours: Gymnasium's ``terminal_on_life_loss`` ends the whole game): a life loss ends the
    *training* episode, and ``reset()`` after it continues the same game (detail 3);
 4. ``FireReset`` (ours; Gymnasium has none), for games whose action 1 is FIRE: FIRE then action 2 after every
@@ -32,7 +35,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["ClipReward", "EpisodicLife", "FireReset", "WholeGame", "is_atari_id", "make_atari_env",
+__all__ = ["ClipReward", "EpisodicLife", "FireReset", "GameStatistics", "WholeGame", "finished_games", "records_games", "is_atari_id", "make_atari_env",
            "make_atari_vec_env", "register_ale", "wrap_atari", "FRAME_STACK", "NOOP_MAX", "FRAME_SKIP", "SCREEN_SIZE"]
 
 NOOP_MAX, FRAME_SKIP, SCREEN_SIZE, FRAME_STACK = 30, 4, 84, 4
@@ -62,6 +65,61 @@ def is_atari_id(env_id: Any) -> bool:
         return gym.spec(env_id).entry_point == _ALE_ENTRY_POINT
     except gym.error.Error:
         return False
+
+
+# The info keys ``GameStatistics`` sets on the step that ends a game (a vector env stacks them per env).
+GAME_SCORE, GAME_LENGTH = "game_score", "game_length"
+
+
+class GameStatistics(gym.Wrapper):
+    """The unclipped score and the length in agent steps of a whole game, in ``info[GAME_SCORE]`` and
+    ``info[GAME_LENGTH]`` of the step that ends it (the game's own termination or truncation).
+
+    It sits beneath ``EpisodicLife`` and ``ClipReward``, so it sees every life, the raw rewards, and the steps the
+    wrappers above take inside ``reset`` (the continuing no-op, FIRE): the same figures as CleanRL's
+    ``RecordEpisodeStatistics`` under its wrappers, except that CleanRL's length counts emulator frames (4 per
+    step, plus the reset no-ops). A game that ends inside a reset of the wrappers above (its last life lost on
+    the continuing no-op) is not reported: those wrappers start the next game at once and drop that step's info.
+    """
+
+    records_game = True  # what ``records_games`` looks for through the vector env
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.score, self.length = 0.0, 0
+
+    def step(self, action: Any):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.score += float(reward)
+        self.length += 1
+        if terminated or truncated:
+            info = dict(info, **{GAME_SCORE: self.score, GAME_LENGTH: self.length})
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        self.score, self.length = 0.0, 0
+        return self.env.reset(seed=seed, options=options)
+
+
+def records_games(envs: Any, env_id: Any) -> bool:
+    """Whether every env of the vector env ``envs`` of ``env_id`` has a ``GameStatistics`` (an ALE game built by
+    ``make_atari_vec_env``; not envpool's Atari, which has its own wrappers)."""
+    if not is_atari_id(env_id) or not hasattr(envs, "get_attr"):
+        return False
+    try:
+        return all(bool(x) for x in envs.get_attr("records_game"))
+    except AttributeError:
+        return False
+
+
+def finished_games(info: dict) -> list[tuple[float, int]]:
+    """(score, length) of each game that ended in this step of a SAME_STEP vector env of ``GameStatistics``
+    envs (the ended step's info is ``info["final_info"]``, Gymnasium's SAME_STEP autoreset), in env order."""
+    final = info.get("final_info")
+    if not final or GAME_SCORE not in final:
+        return []
+    ended = np.flatnonzero(final["_" + GAME_SCORE])
+    return [(float(final[GAME_SCORE][i]), int(final[GAME_LENGTH][i])) for i in ended]
 
 
 class EpisodicLife(gym.Wrapper):
@@ -169,7 +227,7 @@ def wrap_atari(env: gym.Env, train: bool = True) -> gym.Env:
     """The wrappers of ``make_atari_env`` around a raw ALE env built with ``frameskip=1``."""
     env = gym.wrappers.AtariPreprocessing(env, noop_max=NOOP_MAX, frame_skip=FRAME_SKIP, screen_size=SCREEN_SIZE,
                                           terminal_on_life_loss=False, grayscale_obs=True, scale_obs=False)
-    env = EpisodicLife(env)
+    env = EpisodicLife(GameStatistics(env))
     meanings = env.unwrapped.get_action_meanings()
     if len(meanings) >= 3 and meanings[1] == "FIRE":
         env = FireReset(env)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ppokit.core.errors import ConfigError
+from ppokit.envs.atari import finished_games, records_games
 from ppokit.envs.encoders import obs_copy_, obs_index, obs_map, obs_to_tensor
 from ppokit.envs.errors import EnvError, env_failure
 from ppokit.envs.masks import take_probe_reset
@@ -70,6 +71,10 @@ class Collector(EnvLoop):
         # One env on the CPU: the normalizers' per-step arithmetic runs on the host, bit for bit (hostnorm).
         self.host_norm = HostNormalizers(obs_norm, reward_scaler) \
             if HostNormalizers.applies(self.num_envs, device, obs_norm, reward_scaler) else None
+        # Atari: the episodes reported are whole games (score, length) from the env's info (envs/atari.py); the
+        # training episodes (one life, clipped rewards) go to ``life_episodes``.
+        self.whole_games = records_games(envs, env_id)
+        self.life_episodes: Episodes = []
         self.last_obs: torch.Tensor | None = None  # [N, obs_dim] the normalized obs after the rollout (GAE's bootstrap)
         self.policy_version = 0  # the version of the weights that act (``publish``)
         self._rollout_start = 0
@@ -154,6 +159,7 @@ class Collector(EnvLoop):
         t_start = time.perf_counter()
         self.begin_statistics()
         self._rollout_start = global_step  # the step count the last update's state belongs to
+        games: Episodes = []
         act = self.acting.act
         hn = self.host_norm if self.host_norm is not None and self.host_norm.load() else None
         buf.has_final.zero_()
@@ -192,6 +198,8 @@ class Collector(EnvLoop):
             nonlocal obs
             reward, done = r.reward, r.done
             host[0, t], host[1, t], host[2, t], host[3, t] = reward, r.terminated, r.truncated, r.valid
+            if self.whole_games and done.any():
+                games.extend(finished_games(r.info))
             if hn is not None and self.reward_scaler is not None:
                 host[0, t] = hn.scale(reward[0], done[0])  # moved to the buffer with the raw rewards' transfer
             elif self.reward_scaler is not None:
@@ -231,7 +239,10 @@ class Collector(EnvLoop):
         self.last_obs = obs
         self.perf["inference"] += t_inference
         self.perf["env"] += time.perf_counter() - t_start - t_inference
-        return self.episodes(), nonfinite
+        episodes = self.episodes()
+        if self.whole_games:
+            self.life_episodes, episodes = episodes, games
+        return episodes, nonfinite
 
     def _bootstrap_truncated(self, t: int, truncated: np.ndarray, info: dict, step: int, rollout_start: int,
                              state: Any = None) -> None:

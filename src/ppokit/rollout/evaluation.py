@@ -82,13 +82,24 @@ def first_episodes(envs: Any, policy: Any, act: Callable[[EnvLoop], np.ndarray],
 
 def evaluate_first_episodes(envs: Any, policy: Any, actor: Callable, normalize: Callable, *, seed: int,
                             max_steps: int, env_id: str, global_step: int,
-                            fail: Callable[[str, BaseException], EnvError], watchdog: Any = NO_WATCHDOG) -> float:
-    """The evaluation gate: mean return of the first episode of each env of ``envs``, acting deterministically
-    (``policy_actor``). ``fail(phase, exc)`` builds the error an env failure raises; ``watchdog`` bounds each
-    reset and step (``envs.watchdog``)."""
+                            fail: Callable[[str, BaseException], EnvError], watchdog: Any = NO_WATCHDOG,
+                            deterministic: bool = True) -> float:
+    """The evaluation gate: mean return of the first episode of each env of ``envs``, acting on the most likely
+    action / the mean, or (``deterministic=False``) on a sample drawn in a forked RNG seeded with ``seed``, so that
+    the training run's random stream is the same either way (``policy_actor``). ``fail(phase, exc)`` builds the
+    error an env failure raises; ``watchdog`` bounds each reset and step (``envs.watchdog``)."""
     device = next(policy.parameters()).device
-    returns, _, _ = first_episodes(envs, policy, policy_actor(policy, actor, normalize, device), seed=seed,
-                                   max_steps=max_steps, env_id=env_id, fail=lambda phase, at, exc: fail(phase, exc),
-                                   watchdog=watchdog, step=global_step, stride=0,  # the messages name the training step
-                                   phase_prefix="evaluation ")
-    return float(returns.mean())
+
+    def run() -> float:
+        returns, _, _ = first_episodes(envs, policy, policy_actor(policy, actor, normalize, device, deterministic),
+                                       seed=seed, max_steps=max_steps, env_id=env_id,
+                                       fail=lambda phase, at, exc: fail(phase, exc), watchdog=watchdog,
+                                       step=global_step, stride=0,  # the messages name the training step
+                                       phase_prefix="evaluation ")
+        return float(returns.mean())
+
+    if deterministic:
+        return run()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return run()

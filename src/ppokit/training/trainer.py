@@ -318,7 +318,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                 if self.collector.stale:  # in process every sample is of the current policy: no column
                     metrics[S.POLICY_LAG] = float(self.policy_lag)
                 if cfg.eval_every:
-                    # Evaluation gate: a cheap deterministic evaluation that ends the run once it is solved.
+                    # Evaluation gate: a cheap evaluation (eval_deterministic: greedy or sampled) that ends the run
+                    # once it is solved.
                     metrics[S.EVAL_RETURN] = float("nan")
                     if self.update_idx % cfg.eval_every == 0:
                         metrics[S.EVAL_RETURN] = self.dist.from_main(self.evaluate_gate)
@@ -404,7 +405,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         return self.collector.next_obs_raw
 
     def evaluate_gate(self) -> float:
-        """Mean return of one deterministic episode in each of ``eval_episodes`` envs of a separate vector env."""
+        """Mean return of one episode in each of ``eval_episodes`` envs of a separate vector env, acting on the
+        most likely action unless ``eval_deterministic`` is off."""
         cfg = self.config
         if self._eval_envs is None:
             self._eval_envs, self._eval_max_steps = make_eval_envs(cfg, self.custom_env)
@@ -417,7 +419,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         return evaluate_first_episodes(self._eval_envs, self.policy, actor, self.collector.normalize,
                                        seed=cfg.seed + 7919 * (self.update_idx + 1), max_steps=self._eval_max_steps,
                                        env_id=cfg.env_id, global_step=self.global_step, fail=failed,
-                                       watchdog=self.watchdog)
+                                       watchdog=self.watchdog, deterministic=cfg.eval_deterministic)
 
     # ================================================================== 2. advantages
     def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:
@@ -519,6 +521,9 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
             S.ADVANTAGE_STD: float(batch.advantages.std()) if len(batch) > 1 else nan,
             S.SPS: (self.global_step - start_step) / elapsed,
         }
+        if getattr(self.collector, "whole_games", False):  # Atari: episodes are games; the lives trained on
+            lives = self.collector.life_episodes
+            m[S.LIFE_RETURN] = float(np.mean([e[0] for e in lives])) if lives else nan
         # Data-parallel: the episode and batch diagnostics over every rank's data ({} in one process).
         m.update(self.dist.diagnostics(episodes, batch.values_old, batch.returns, rewards, batch.advantages,
                                        nonfinite_env, m[S.ADVANTAGES_NONFINITE]))

@@ -1,0 +1,142 @@
+"""How the LM trainers assemble their losses, observed on the trainers' own path (``trainer.step()`` with the
+trainer's ``_loss`` wrapped to record what each minibatch computed) on a real tiny GPT-2:
+
+- GRPO with the policy a perturbed copy of pi_ref, beta > 0 and zero advantages: the loss is +beta * the k3
+  KL(pi_theta || pi_ref) (computed here independently from the two models), its gradient is nonzero, and the one
+  descent step lowers that KL. A flipped sign or a KL taken from pi_old's log-probs (no gradient) fails it.
+- PPO-RLHF: ``loss = policy + vf_coef * value - ent_coef * entropy`` with both coefficients nonzero, against the
+  statistics the loss returns and the trainer logs. A subtracted value loss or a flipped entropy sign fails it.
+- PPO-RLHF: the advantages that reach the epoch loop have mean 0 and std 1 over the real tokens when whitening
+  is on (and are far from it when it is off, so the test can tell).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+
+import torch  # noqa: E402
+
+from ppokit.core import schema as S  # noqa: E402
+from ppokit.core.reductions import reduce  # noqa: E402
+from ppokit.lm import GRPOTrainer, LMConfig, PPOTrainer  # noqa: E402
+from ppokit.lm.logprobs import token_logprobs  # noqa: E402
+from ppokit.lm.tiny import build_tiny  # noqa: E402
+
+PROMPTS = ["X:", "AB:", "BXAX:", "A:"]
+FAST = dict(learning_rate=3e-3, batch_prompts=2, group_size=4, max_new_tokens=6, tensorboard=False, console=False)
+
+
+def offset_reward(prompts, completions):
+    """Share of X's plus 3: scores far from zero mean, so unwhitened advantages are visibly not standardized."""
+    return [3.0 + c.count("X") / max(len(c), 4) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return build_tiny("ABX:", pad_is_eos=True, seed=0)
+
+
+def _record(trainer) -> list:
+    """Wrap the trainer's own loss (what its ``TokenStep`` calls) to keep each minibatch, loss and stats."""
+    seen = []
+    loss_fn = trainer._loss
+
+    def recorded(mb):
+        loss, stats = loss_fn(mb)
+        seen.append((mb, loss, {k: v.detach().clone() for k, v in stats.items()}))
+        return loss, stats
+
+    trainer._loss = recorded
+    return seen
+
+
+def _k3_to_ref(policy, ref, mb, temperature: float) -> torch.Tensor:
+    """Token mean over the real tokens of the k3 estimate of KL(pi_theta || pi_ref), from the two models."""
+    with torch.no_grad():
+        logp, _ = token_logprobs(policy, mb.input_ids, mb.attention_mask, mb.n_response, temperature)
+        logp_ref, _ = token_logprobs(ref, mb.input_ids, mb.attention_mask, mb.n_response, temperature)
+    d = logp_ref - logp
+    return reduce(d.exp() - d - 1.0, mb.response_mask, "token_mean")
+
+
+def test_grpo_with_zero_advantages_is_plus_beta_k3_kl_to_ref_and_a_step_lowers_it(base):
+    model, tok = base
+    ref = copy.deepcopy(model)
+    policy = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    beta = 0.5
+    # Adam's first step moves every weight by ~lr whatever its gradient's size: at 3e-3 that overshoots this
+    # small KL (measured: 0.033 -> 1.01), at 1e-4 it is a descent step (0.033 -> 0.022).
+    cfg = LMConfig(**{**FAST, "learning_rate": 1e-4}, beta=beta, update_epochs=1, num_minibatches=1)
+    t = GRPOTrainer(policy, tok, reward=lambda p, c: [1.0] * len(c), prompts=PROMPTS, config=cfg, ref_model=ref)
+    seen = _record(t)
+    grads = []
+    loss_fn = t._loss
+
+    def with_gradient(mb):
+        loss, stats = loss_fn(mb)
+        params = [p for p in t.policy.parameters() if p.requires_grad]
+        g = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        grads.append(sum(float(x.abs().sum()) for x in g if x is not None))
+        return loss, stats
+
+    t._loss = with_gradient
+    t.step()
+    (mb, loss, stats), = seen
+    assert torch.equal(mb.advantages, torch.zeros_like(mb.advantages))  # a constant reward: every group has A = 0
+    assert float(_k3_to_ref(ref, ref, mb, cfg.temperature)) == 0.0  # the helper: pi_ref against itself is 0
+    # KL before the step, from the minibatch's own log-probs (pi_theta == pi_old at the first minibatch).
+    d_old = mb.logp_ref - mb.logp_old
+    kl_old = reduce(d_old.exp() - d_old - 1.0, mb.response_mask, "token_mean")
+    assert float(kl_old) > 1e-3  # the perturbation really moved the policy off pi_ref
+    assert float(loss.detach()) == pytest.approx(beta * float(kl_old), rel=1e-4)  # + beta * KL: a flipped sign is negative
+    assert grads[0] > 1e-6  # the KL term carries pi_theta's gradient (taken from pi_old it would carry none)
+    kl_after = _k3_to_ref(t.policy, ref, mb, cfg.temperature)
+    assert float(kl_after) < float(kl_old)  # one descent step on +beta * KL moves pi_theta towards pi_ref
+
+
+def test_ppo_rlhf_loss_is_policy_plus_vf_coef_value_minus_ent_coef_entropy(base):
+    model, tok = base
+    vf_coef, ent_coef = 0.5, 0.05
+    cfg = LMConfig(**FAST, vf_coef=vf_coef, ent_coef=ent_coef, update_epochs=2, num_minibatches=2,
+                   loss_reduction="token_mean")
+    t = PPOTrainer(copy.deepcopy(model), tok, reward=offset_reward, prompts=PROMPTS, config=cfg)
+    seen = _record(t)
+    metrics = t.step()
+    assert len(seen) == 4  # 2 epochs x 2 minibatches, none skipped or stopped
+    for _, loss, stats in seen:
+        value, entropy = float(stats["value_loss"]), float(stats["entropy"])
+        assert vf_coef * value > 1e-3 and ent_coef * entropy > 1e-3  # both terms move the total measurably
+        expected = float(stats["policy_loss"]) + vf_coef * value - ent_coef * entropy
+        assert float(loss.detach()) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # The logged update statistics are those same per-minibatch statistics, averaged.
+    for name, key in ((S.VALUE_LOSS, "value_loss"), (S.ENTROPY, "entropy"), (S.POLICY_LOSS, "policy_loss")):
+        mean = sum(float(s[key]) for _, _, s in seen) / len(seen)
+        assert metrics[name] == pytest.approx(mean, rel=1e-4, abs=1e-6), name
+
+
+@pytest.mark.parametrize("whiten", [True, False])
+def test_the_advantages_reaching_the_epoch_loop_are_whitened_over_real_tokens(whiten, base):
+    model, tok = base
+    cfg = LMConfig(**FAST, update_epochs=1, num_minibatches=2, whiten_advantages=whiten, unsafe=not whiten)
+    t = PPOTrainer(copy.deepcopy(model), tok, reward=offset_reward, prompts=PROMPTS, config=cfg)
+    seen = _record(t)
+    t.step()
+    assert len(seen) == 2  # one epoch: the two minibatches together are the whole rollout, each row once
+    adv = torch.cat([mb.advantages for mb, _, _ in seen]).double()
+    mask = torch.cat([mb.response_mask for mb, _, _ in seen])
+    real = adv[mask]
+    assert real.numel() > 8
+    std, mean = torch.std_mean(real, unbiased=False)
+    if whiten:
+        assert abs(float(mean)) < 1e-5 and float(std) == pytest.approx(1.0, abs=1e-4)
+        assert torch.equal(adv[~mask], torch.zeros_like(adv[~mask]))  # padding carries no advantage
+    else:
+        assert abs(float(mean)) > 0.5  # the scores' offset of 3 is still in them: the whitened check can tell
