@@ -94,7 +94,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
                  env: Any = None, callbacks: Any = None, rollout: Any = None, policy: Any = None):
-        from ppokit.envs import check_env_id, check_spaces, resolve_env
+        from ppokit.envs import check_env_id, check_spaces, get_backend, resolve_env
         from ppokit.runtime.logger import MetricsLogger
         from ppokit.training.callbacks import CallbackList
 
@@ -119,7 +119,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         self.device = torch.device(self.dist.device(cfg.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device", "CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
-        if cfg.vector_mode != "envpool" and self.custom_env is None:  # envpool checks its own task list
+        if not get_backend(cfg.vector_mode).own_task_ids and self.custom_env is None:  # e.g. envpool's
             check_env_id(cfg.env_id)
         seed_everything(self.dist.seed(cfg.seed))
 
