@@ -22,6 +22,7 @@ from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset, regist
 from ppokit.config.zoo import ZOO_FILES, ZooSettings, zoo_dir, zoo_settings
 from ppokit.core import schema as S
 from ppokit.core.schema import THRESHOLDS
+from ppokit.envs.backends import backend_names, get_backend
 
 __all__ = ["EnvProbe", "Plan", "probe_env", "make_plan", "zoo_entry", "planned_config", "diagnostics_plan",
            "memory_reason", "MIN_UPDATES", "NON_MARKOV"]
@@ -528,10 +529,11 @@ def planned_config(overrides: dict[str, Any], zoo: bool | None = None) -> tuple[
     else:
         budget = PPOConfig().total_timesteps
     rest = {k: v for k, v in overrides.items() if k not in ("env_id", "total_timesteps")}
-    if known is None and zs is None and flagged.vector_mode == "envpool":
-        # envpool's task ids are not Gymnasium ids, so the planner cannot probe them: the defaults it is.
+    if known is None and zs is None and flagged.vector_mode in backend_names() and get_backend(flagged.vector_mode).own_task_ids:
+        # A backend's own task ids (envpool's) are not Gymnasium ids, so the planner cannot probe them: the
+        # defaults it is.
         return (flagged.validate(), f"config: library defaults for {env_id} (the planner cannot probe an "
-                                    "envpool task; pass --preset or --config to tune it)")
+                                    f"{flagged.vector_mode} task; pass --preset or --config to tune it)")
     plan = make_plan(env_id, budget, rest, probe=known is None, zoo=zoo)
     source = (f"config: planner settings for {env_id} ({plan.source}); see ppokit plan --env {env_id} "
               f"--budget {budget}")

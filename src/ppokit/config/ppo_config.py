@@ -23,6 +23,7 @@ from ppokit.core.algos import (  # the registry itself (live: an algo registered
 )
 from ppokit.core.errors import ConfigError  # noqa: F401  (raised here, and importable from here)
 from ppokit.core.schema import KL_STOP_FACTOR
+from ppokit.envs.backends import get_backend  # the registry itself: a backend registered later validates too
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,7 +37,6 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 ACTIVATIONS = ("tanh", "relu")
 RECURRENT = ("none", "lstm", "gru")
 RECURRENT_CRITICS = ("separate", "shared")
-VECTOR_MODES = ("sync", "async", "native", "envpool")
 
 # The trust-region guard rails (docs/diagnostics.md, "Guard rails"): beyond these a run is refused unless marked
 # unsafe.
@@ -248,8 +248,10 @@ class PPOConfig:
              f"must be one of {', '.join(RECURRENT_CRITICS)}, got {self.recurrent_critic!r}")
         need(isinstance(self.recurrent_hidden, int) and 1 <= self.recurrent_hidden <= 1 << 16, "recurrent_hidden",
              f"must be an integer in [1, {1 << 16}], got {self.recurrent_hidden!r}")
-        need(self.vector_mode in VECTOR_MODES, "vector_mode",
-             f"must be one of {', '.join(VECTOR_MODES)}, got {self.vector_mode!r}")
+        try:
+            get_backend(self.vector_mode)
+        except ConfigError as exc:  # its reason names the registered modes
+            need(False, exc.field, exc.reason)
         need(len(self.hidden_sizes) >= 1 and all(isinstance(h, int) and 1 <= h <= 1 << 20 for h in self.hidden_sizes),
              "hidden_sizes", f"must be a non-empty list of integers in [1, {1 << 20}], got {self.hidden_sizes!r}")
         need(self.env_id != "", "env_id", "must be a non-empty environment id")

@@ -14,6 +14,7 @@ from ppokit.envs.registration import GRIDWORLD_ID, GRIDWORLD_WALLS_ID, register_
 
 register_envs()
 
+from ppokit.envs.backends import backend_names, get_backend, register_backend  # noqa: E402
 from ppokit.envs.factory import (  # noqa: E402  (registration must precede factory use)
     CustomEnv,
     autoreset_mode,
@@ -32,6 +33,9 @@ __all__ = [
     "GridWorldVectorEnv",
     "GridWorldWallsEnv",
     "autoreset_mode",
+    "backend_names",
+    "get_backend",
+    "register_backend",
     "check_env_id",
     "check_spaces",
     "make_eval_env",

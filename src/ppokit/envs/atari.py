@@ -35,6 +35,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from ppokit.envs.backends import get_backend
+
 __all__ = ["ClipReward", "EpisodicLife", "FireReset", "GameStatistics", "WholeGame", "finished_games", "records_games", "is_atari_id", "make_atari_env",
            "make_atari_vec_env", "register_ale", "wrap_atari", "FRAME_STACK", "NOOP_MAX", "FRAME_SKIP", "SCREEN_SIZE"]
 
@@ -243,15 +245,12 @@ def make_atari_vec_env(env_id: str, num_envs: int, vector_mode: str = "sync", en
                        train: bool = True) -> gym.vector.VectorEnv:
     """``num_envs`` Atari envs in a Sync (default) or Async vector env with SAME_STEP autoreset (ppokit's mode for
     both, so a truncated game bootstraps from ``info["final_obs"]``)."""
-    if vector_mode not in ("sync", "async"):
+    backend = get_backend(vector_mode)
+    if backend.from_factories is None:
         from ppokit.core.errors import ConfigError
 
         raise ConfigError("vector_mode", f"{vector_mode!r} is not available for Atari ids: ale-py's AtariVectorEnv "
                           "resets the whole game after a life loss and drops the raw score when clipping rewards, "
                           "so ppokit runs its exact wrappers under vector_mode 'sync' or 'async'")
-    from ppokit.envs.watchdog import async_kwargs
-
     factory = functools.partial(make_atari_env, env_id, dict(env_kwargs or {}), train)
-    vector_class = gym.vector.SyncVectorEnv if vector_mode == "sync" else gym.vector.AsyncVectorEnv
-    return vector_class([factory] * int(num_envs), autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-                        **async_kwargs(vector_mode))  # async workers that die with the trainer
+    return backend.from_factories([factory] * int(num_envs))  # async: workers that die with the trainer

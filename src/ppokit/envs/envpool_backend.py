@@ -16,7 +16,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import batch_space
 
-__all__ = ["EnvPoolVectorEnv", "envpool_task_id", "check_envpool_id"]
+__all__ = ["EnvPoolVectorEnv", "envpool_task_id", "check_envpool_id", "make_envpool"]
 
 _INSTALL_HINT = "install it with: pip install 'ppokit[envpool]'"
 
@@ -90,3 +90,10 @@ class EnvPoolVectorEnv(gym.vector.VectorEnv):
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
             pool.close()
+
+
+def make_envpool(env_id: str, num_envs: int, seed: int | None, env_kwargs: dict[str, Any]) -> EnvPoolVectorEnv:
+    """The backend ``vector_mode = "envpool"`` (registered in factory.py): envpool has its own task list (Atari and
+    MuJoCo need no Gymnasium registration there) and its Atari tasks do their own preprocessing; env_kwargs are its
+    config keys (envpool.make refuses unknown ones with a TypeError, like Gymnasium)."""
+    return EnvPoolVectorEnv(env_id, num_envs, seed, **env_kwargs)

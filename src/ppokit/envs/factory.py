@@ -14,9 +14,10 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 
+from ppokit.envs.backends import backend_names, get_backend, register_backend
+from ppokit.envs.envpool_backend import make_envpool
 from ppokit.envs.watchdog import async_kwargs
 
-VECTOR_MODES = ("sync", "async", "native", "envpool")
 # The env_id recorded for a custom env without a registered spec: "custom:MyEnv" (MyEnv: its unwrapped class).
 CUSTOM_PREFIX = "custom"
 
@@ -303,9 +304,10 @@ def resolve_env(env: Any, config: Any) -> tuple[Any, CustomEnv | None]:
     if config.env_kwargs:
         raise ConfigError("env_kwargs", f"is set ({config.env_kwargs}) but the env is a Python object, not an id "
                                         "built by gym.make; give those arguments to your factory instead")
-    if config.vector_mode in ("native", "envpool"):
+    if get_backend(config.vector_mode).from_factories is None:
+        modes = " or ".join(map(repr, factory_modes()))
         raise ConfigError("vector_mode", f"{config.vector_mode!r} builds envs from a registered id; an env passed "
-                                         "as a Python object runs with vector_mode 'sync' or 'async'")
+                                         f"as a Python object runs with vector_mode {modes}")
     if custom.kind == "instance":
         # One object is one environment: N envs need N objects, and a deep copy of an arbitrary env (open files,
         # simulators, sockets, shared RNGs) is not safe to assume, so none is made.
@@ -339,53 +341,34 @@ def make_vec_env(
     env_kwargs: dict[str, Any] | None = None,
     env_fn: Callable[[], gym.Env] | None = None,
 ) -> gym.vector.VectorEnv:
-    """Build ``num_envs`` envs, un-reset: "sync"/"async" with SAME_STEP autoreset, "native" the env's own vector
-    class, "envpool" the optional envpool package (NEXT_STEP autoreset).
+    """Build ``num_envs`` envs, un-reset, with the backend ``vector_mode`` names (``backends.py``): "sync"/"async"
+    with SAME_STEP autoreset, "native" the env's own vector class, "envpool" the optional envpool package
+    (NEXT_STEP autoreset), or any other registered one.
 
     ``env_kwargs`` go to the env's constructor (gym.make_vec / envpool.make); ``env_fn`` (a zero-arg callable,
-    e.g. a ``CustomEnv``) builds each env instead of ``env_id``, which then only names it ("sync"/"async" only).
+    e.g. a ``CustomEnv``) builds each env instead of ``env_id``, which then only names it (a backend that builds
+    from factories: "sync"/"async").
     """
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
-    if vector_mode not in VECTOR_MODES:
-        raise ValueError(f"vector_mode must be one of {VECTOR_MODES}, got {vector_mode!r}")
+    backend = get_backend(vector_mode)
     kwargs = dict(env_kwargs or {})
-    same_step = gym.vector.AutoresetMode.SAME_STEP
 
     try:
         if env_fn is not None:
-            if vector_mode not in ("sync", "async") or kwargs:
-                raise ValueError(f"an env factory runs with vector_mode 'sync' or 'async' and no env_kwargs, got "
-                                 f"vector_mode={vector_mode!r}, env_kwargs={kwargs}")
-            vector_class = gym.vector.SyncVectorEnv if vector_mode == "sync" else gym.vector.AsyncVectorEnv
-            env = vector_class([env_fn] * int(num_envs), autoreset_mode=same_step, **async_kwargs(vector_mode))
+            if backend.from_factories is None or kwargs:
+                raise ValueError(f"an env factory runs with vector_mode {' or '.join(map(repr, factory_modes()))} "
+                                 f"and no env_kwargs, got vector_mode={vector_mode!r}, env_kwargs={kwargs}")
+            env = backend.from_factories([env_fn] * int(num_envs))
             if len({id(sub) for sub in getattr(env, "envs", [])}) not in (0, int(num_envs)):
                 # `env=lambda: my_env` hands out one object N times: N "envs" stepping one state, silently.
                 env.close()
                 raise ValueError(f"the env factory {env_fn.name if hasattr(env_fn, 'name') else env_fn!r} returned "
                                  "the same env object more than once; it must build a new env on every call")
-        elif vector_mode == "envpool":
-            from ppokit.envs.envpool_backend import EnvPoolVectorEnv
-
-            # envpool has its own task list (Atari and MuJoCo need no Gymnasium registration there); env_kwargs are
-            # its config keys (envpool.make refuses unknown ones with a TypeError, like Gymnasium).
-            env = EnvPoolVectorEnv(env_id, int(num_envs), seed, **kwargs)
-        elif vector_mode in ("sync", "async"):
-            check_env_id(env_id)
-            # make_vec hands sub-processes an EnvSpec whose entry point is an import string,
-            # so workers import ppokit.envs.gridworld themselves and need no registry state.
-            # Async workers die with the trainer, even when it is killed (envs.watchdog.orphan_proof_worker).
-            env = gym.make_vec(env_id, num_envs=int(num_envs), vectorization_mode=vector_mode,
-                               vector_kwargs={"autoreset_mode": same_step, **async_kwargs(vector_mode)}, **kwargs)
         else:
-            check_env_id(env_id)
-            spec = _get_spec(env_id)
-            if spec.vector_entry_point is None:
-                raise ValueError(
-                    f"vector_mode='native' is not available for {env_id!r}: it has no vector entry point. "
-                    "Use vector_mode='sync' (or 'async')."
-                )
-            env = gym.make_vec(env_id, num_envs=int(num_envs), vectorization_mode="vector_entry_point", **kwargs)
+            if not backend.own_task_ids:
+                check_env_id(env_id)
+            env = backend.make(env_id, int(num_envs), seed, kwargs)
     except (TypeError, KeyError) as exc:
         if kwargs:
             raise _env_kwargs_error(env_id, kwargs, exc) from exc
@@ -402,6 +385,48 @@ def make_vec_env(
         env.action_space.seed(seed)
         env.single_action_space.seed(seed)
     return env
+
+
+def factory_modes() -> list[str]:
+    """The registered vector modes that build envs from zero-argument factories (a custom env, the Atari stack)."""
+    return [name for name in backend_names() if get_backend(name).from_factories is not None]
+
+
+def _gym_vector(mode: str) -> Callable[[str, int, int | None, dict[str, Any]], gym.vector.VectorEnv]:
+    """``gym.make_vec`` under ``vectorization_mode = mode`` ("sync"/"async"), SAME_STEP autoreset."""
+    def make(env_id: str, num_envs: int, seed: int | None, kwargs: dict[str, Any]) -> gym.vector.VectorEnv:
+        # make_vec hands sub-processes an EnvSpec whose entry point is an import string,
+        # so workers import ppokit.envs.gridworld themselves and need no registry state.
+        # Async workers die with the trainer, even when it is killed (envs.watchdog.orphan_proof_worker).
+        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=mode,
+                            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP,
+                                           **async_kwargs(mode)}, **kwargs)
+    return make
+
+
+def _gym_vector_of(mode: str) -> Callable[[list[Callable[[], gym.Env]]], gym.vector.VectorEnv]:
+    """A Sync/Async vector env of the given env factories, SAME_STEP autoreset."""
+    vector_class = gym.vector.SyncVectorEnv if mode == "sync" else gym.vector.AsyncVectorEnv
+
+    def make(env_fns: list[Callable[[], gym.Env]]) -> gym.vector.VectorEnv:
+        return vector_class(env_fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, **async_kwargs(mode))
+    return make
+
+
+def _native(env_id: str, num_envs: int, seed: int | None, kwargs: dict[str, Any]) -> gym.vector.VectorEnv:
+    """The env's own batched class (its spec's vector entry point)."""
+    if _get_spec(env_id).vector_entry_point is None:
+        raise ValueError(
+            f"vector_mode='native' is not available for {env_id!r}: it has no vector entry point. "
+            "Use vector_mode='sync' (or 'async')."
+        )
+    return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", **kwargs)
+
+
+register_backend("sync", _gym_vector("sync"), from_factories=_gym_vector_of("sync"))
+register_backend("async", _gym_vector("async"), from_factories=_gym_vector_of("async"))
+register_backend("native", _native)
+register_backend("envpool", make_envpool, own_task_ids=True, own_atari_wrappers=True)  # the optional package
 
 
 def make_eval_env(

@@ -14,9 +14,10 @@ def make_train_envs(cfg: Any, custom_env: Any = None) -> Any:
     to a custom env's record name once it exists. A constructor that raises is one EnvError line."""
     from ppokit.envs import check_spaces, make_vec_env
     from ppokit.envs.atari import is_atari_id, make_atari_vec_env
+    from ppokit.envs.backends import get_backend
 
     try:
-        if custom_env is None and cfg.vector_mode != "envpool" and is_atari_id(cfg.env_id):
+        if custom_env is None and not get_backend(cfg.vector_mode).own_atari_wrappers and is_atari_id(cfg.env_id):
             # An ALE game gets the 9 Atari details (atari.py): the training stack clips rewards and ends an
             # episode at a life loss.
             envs = make_atari_vec_env(cfg.env_id, cfg.num_envs, cfg.vector_mode, cfg.env_kwargs, train=True)
@@ -38,9 +39,10 @@ def make_eval_envs(cfg: Any, custom_env: Any = None) -> tuple[Any, int]:
     """The evaluation gate's vector env (``eval_episodes`` envs, unseeded until reset) and its step cap."""
     from ppokit.envs import make_vec_env
     from ppokit.envs.atari import is_atari_id, make_atari_vec_env
+    from ppokit.envs.backends import get_backend
     from ppokit.envs.factory import _get_spec
 
-    if custom_env is None and cfg.vector_mode != "envpool" and is_atari_id(cfg.env_id):
+    if custom_env is None and not get_backend(cfg.vector_mode).own_atari_wrappers and is_atari_id(cfg.env_id):
         # The game score: unclipped rewards over a whole game, across lives (atari.WholeGame); 108,000 frames cap
         # an ALE game (v5's max_num_frames_per_episode), 4 frames a step.
         return make_atari_vec_env(cfg.env_id, cfg.eval_episodes, "sync", cfg.env_kwargs, train=False), 27_000

@@ -1,16 +1,17 @@
 """The PPO training loop: rollout -> GAE -> K epochs of minibatches -> discard, with diagnostics every update.
 
-``train(config)`` is the public entry point. ``Trainer`` holds the train state (policy, optimizer, normalizers,
-environments, RNG, step counters) so that it can be checkpointed and resumed; its ``run`` method reads top to
-bottom as Algorithm 1 of Schulman et al. 2017, "Proximal Policy Optimization Algorithms". The rollout itself
-(env stepping, autoreset, NaN/Inf, episode statistics, the truncation bootstrap) is ``collector.Collector``'s;
-the epochs are ``epochs.ppo_epochs``'s.
+``train(config)`` is the public entry point. ``Trainer`` assembles the parts ``build.build(config)`` makes and
+holds the train state (policy, optimizer, normalizers, environments, RNG, step counters) so that it can be
+checkpointed and resumed; its ``run`` method reads top to bottom as Algorithm 1 of Schulman et al. 2017,
+"Proximal Policy Optimization Algorithms". The rollout itself (env stepping, autoreset, NaN/Inf, episode
+statistics, the truncation bootstrap) is ``collector.Collector``'s; the epochs are ``epochs.ppo_epochs``'s.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,41 +19,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppokit.config.ppo_config import ConfigError, PPOConfig
-from ppokit.config.resources import check_memory, layout_bytes, usable_threads
+from ppokit.config.ppo_config import PPOConfig
 from ppokit.core import schema as S
 from ppokit.core.advantages import gae
 from ppokit.core.algos import Algo, adapt_kl_beta, get_algo  # noqa: F401  (adapt_kl_beta: ppo-kl's rule, importable from here)
 from ppokit.core.objectives import explained_variance
 from ppokit.core.schema import PERF_PHASES
-from ppokit.core.seeding import seed_everything
-from ppokit.diagnostics.monitor import Monitor, episode_time_limit
-from ppokit.envs.encoders import observation_encoder
 from ppokit.envs.errors import EnvError
-from ppokit.envs.masks import action_masks_available, forget_probe_reset
-from ppokit.envs.run_envs import make_eval_envs, make_train_envs
-from ppokit.envs.watchdog import EnvWatchdog, close_vector_env
-from ppokit.kernels.acting import ActingKernel
-from ppokit.kernels.flat_adam import FlatAdam
+from ppokit.envs.masks import forget_probe_reset
+from ppokit.envs.run_envs import make_eval_envs
 from ppokit.kernels.fused_step import FusedStep
-from ppokit.kernels.mlp_backward import supports as fused_supports
-from ppokit.policies import ActorCritic, Policy, config_policy
-from ppokit.policies.build import policy_parameters
-from ppokit.rollout.collector import Collector, bootstrap_values
+from ppokit.policies import ActorCritic, Policy
+from ppokit.rollout.collector import bootstrap_values
 from ppokit.rollout.evaluation import evaluate_first_episodes
-from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
 from ppokit.rollout.source import RolloutBackend, RolloutSource, policy_lag
 from ppokit.runtime import checkpoint as ckpt
-from ppokit.runtime import distributed
 from ppokit.runtime.interrupts import install_sigint as _install_sigint
+from ppokit.training.build import build, claim_run_dir, default_run_dir, make_logger, write_run_files
 from ppokit.training.lifecycle import TrainerLifecycle
 from ppokit.training.state import CHECKPOINT_NAME, TrainerCheckpoint
 from ppokit.update.autograd import AutogradStep
 from ppokit.update.epochs import Batch, SequenceBatch, UpdateSettings, ppo_epochs
 
 __all__ = ["train", "Run", "Trainer", "CHECKPOINT_NAME", "default_run_dir"]
-
-
 
 @dataclass
 class Run:
@@ -73,18 +62,6 @@ class Run:
         return self.run_dir / CHECKPOINT_NAME
 
 
-def default_run_dir(config: PPOConfig) -> Path:
-    """``runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>``, unique within the second."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    # '/' (namespaced ids) and ':' ("module:Env", "custom:MyEnv") make no good directory names.
-    env = config.env_id.replace("/", "-").replace(":", "-")
-    base = Path("runs") / f"{env}__{config.algo}__s{config.seed}__{stamp}"
-    path, i = base, 1
-    while path.exists():
-        path, i = Path(f"{base}-{i}"), i + 1
-    return path
-
-
 class Trainer(TrainerLifecycle, TrainerCheckpoint):
     """PPO train state plus the loop. Build with a validated config; ``run()`` trains to ``total_timesteps``."""
 
@@ -93,178 +70,85 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
     def __init__(self, config: PPOConfig, run_dir: str | Path | None = None, console: Any = None,
                  console_enabled: bool = True, resume_state: dict | None = None, overwrite: bool = False,
                  env: Any = None, callbacks: Any = None, rollout: Any = None, policy: Any = None):
-        from ppokit.envs import check_env_id, check_spaces, resolve_env
-        from ppokit.runtime.logger import MetricsLogger
+        from ppokit.runtime import rundir
         from ppokit.training.callbacks import CallbackList
 
         self.callbacks = CallbackList(callbacks)  # checked before anything is built
         self._callback_stop: str | None = None  # the name of the callback that asked to stop
-
-        # env: None (config.env_id), a registered id, a zero-arg factory or a gymnasium.Env (see train()).
-        config, self.custom_env = resolve_env(env, config)
-        self.config = cfg = config.validate()
-        if cfg.track:
-            from ppokit.runtime.wandb_sink import require_wandb
-
-            require_wandb()  # one line naming the extra, before anything is built
-        if cfg.capture_video:
-            from ppokit.envs.video import require_video
-
-            require_video()
-        # Under torchrun: this rank's place in the job (rank 0 alone writes the run dir); else the identity.
-        self.dist = distributed.current(cfg.dist_timeout, cfg.device)
-        # Per process, so per rank: torchrun sets OMP_NUM_THREADS only when it starts several ranks per node.
-        torch.set_num_threads(usable_threads(cfg.torch_threads))  # capped at the core count, with a warning
-        self.device = torch.device(self.dist.device(cfg.device))
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device", "CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
-        if cfg.vector_mode != "envpool" and self.custom_env is None:  # envpool checks its own task list
-            check_env_id(cfg.env_id)
-        seed_everything(self.dist.seed(cfg.seed))
-
-        # Environments and the policy pi_theta.
-        self.envs = make_train_envs(cfg, self.custom_env)
-        self.action_kind = check_spaces(self.envs)
-        obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
-        try:  # validate() assumed one float per observation; now the real sizes are known, before anything big
-            encoder = observation_encoder(obs_space)
-            check_memory(cfg, encoder.flat_dim, layout_bytes(encoder.layout()),  # images are stored as bytes
-                         policy_parameters(obs_space, act_space, cfg.hidden_sizes, cfg.activation, cfg))
-        except ConfigError:
-            self.envs.close()
-            raise
-        # ``policy``: a factory (observation space, action space, config) -> Policy, e.g. a registered type (the
-        # memory check above counted the default policy's parameters).
-        try:
-            self.policy = (config_policy(obs_space, act_space, cfg) if policy is None  # recurrent: recurrent.py
-                           else policy(obs_space, act_space, cfg)).to(self.device)
-            if self.policy.initial_state(1) is not None and not hasattr(self.policy, "evaluate_sequence"):
-                raise ConfigError("policy", f"{type(self.policy).__name__} is stateful (initial_state is not None) "
-                                  "but has no evaluate_sequence; a stateful policy trains on sequences "
-                                  "(policies.StatefulPolicy)")
-        except BaseException:
-            self.envs.close()
-            raise
-        self.obs_dim = self.policy.obs_dim
-        # The fused update (hand-derived backward, one flat parameter buffer) where it applies, else autograd.
-        # An env with action masks trains by autograd: the fused kernel (and its acting kernel) has no masks.
-        # Every reset()/step()/close() bounded by env_timeout, and by a grace period after Ctrl-C (envs.watchdog).
-        self.watchdog = EnvWatchdog(cfg.env_timeout, lambda: getattr(self, "_stop_requested", False))
-        try:  # masks sent only in info: seen at a first reset with the run's env seed (action_masks_available)
-            with self.watchdog.running():
-                self.masked = self.policy.kind != "continuous" and action_masks_available(
-                    self.envs, self.dist.env_seed(cfg.seed, cfg.num_envs), cfg.env_id, self.watchdog)
-        except BaseException:
-            close_vector_env(self.envs, self.watchdog)
-            raise
-        self.fused = cfg.fused_update and fused_supports(self.policy, cfg.algo) and not self.masked
-        if self.fused:
-            self.optimizer = FlatAdam(self.policy, lr=cfg.learning_rate, eps=1e-5)
-        else:
-            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5,
-                                              **_adam_kwargs(self.device))
+        self._stop_requested = self._solved = self._interrupt_noted = False  # _solved: the evaluation gate's
+        self._eval_envs, self.metrics = None, []
+        self.global_step, self.update_idx = 0, 0  # the per-env episode bookkeeping is the collector's
+        # Envs, policy pi_theta, optimizer and update choice, acting, normalizers, monitor, rollout source: every
+        # part is an attribute of the same name (the mixins, callbacks and tests read them).
+        parts = build(config, env=env, policy=policy, rollout=rollout, stop_requested=lambda: self._stop_requested,
+                      rollout_failed=self._rollout_failed)
+        vars(self).update(vars(parts))
+        cfg = self.config
+        self.kl_beta = cfg.init_kl_beta
         # The update's epoch loop, ``loop(batch, settings, step, sync=...) -> stats``: an attribute so that a caller
         # can wrap it (see what each update is given) without patching this module.
         self.epoch_loop = ppo_epochs
-        # Normalization statistics (saved in checkpoints, frozen at evaluation).
-        # Observation normalization standardizes the float vector parts (images and one-hot codes are left alone).
-        self.obs_norm = self._obs_normalizer() if cfg.normalize_obs else None
-        self.reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma, device=self.device) if cfg.normalize_reward else None
-
-        # Counters (the per-env episode bookkeeping is the collector's).
-        self.global_step = 0
-        self.update_idx = 0
-        self.kl_beta = cfg.init_kl_beta
-        self.monitor = Monitor(action_kind=self.action_kind, action_dim=self.policy.action_dims[0],
-                               time_limit=episode_time_limit(cfg.env_id, cfg.env_kwargs),
-                               monitor_kl=cfg.monitor_kl, monitor_clipfrac=cfg.monitor_clipfrac)
-        self.perf = dict.fromkeys(PERF_PHASES, 0.0)
-        # Acting (rollouts, the evaluation gate): the acting kernel where the fused update applies (the same
-        # network on cached weights, the same random draws), else the eager policy.
-        self.acting = ActingKernel(self.policy, self.optimizer) if self.fused else None
-        # The rollout: env stepping, both autoreset modes, NaN/Inf, episode statistics, truncation bootstrap;
-        # it fills its buffer (``[T, N, ...]`` tensors on the device) with pi_old's steps.
-        # ``rollout``: another rollout backend (``rollout.source.RolloutSource``), built with Collector's arguments.
-        self.collector = (rollout or Collector)(self.envs, self.policy, self.acting or self.policy,
-                                                num_steps=cfg.num_steps, device=self.device, env_id=cfg.env_id,
-                                                obs_norm=self.obs_norm, reward_scaler=self.reward_scaler,
-                                                perf=self.perf, fail=self._rollout_failed)
         self.buffer, self.same_step = self.collector.buffer, self.collector.same_step
-        self._stop_requested = False
-        self.collector.watchdog = self.watchdog
-        self._solved = False  # set by the evaluation gate (eval_every / eval_threshold)
-        self._eval_envs = None
-
-        # The run dir is claimed before anything is written to it: locked against a second process, refused if
-        # it holds another run (unless overwrite), cleared of a killed checkpoint write's temp files.
-        from ppokit.runtime import rundir
-
-        self.run_dir = Path(run_dir or cfg.run_dir or default_run_dir(cfg))
-        if not self.dist.is_main:
-            self.run_dir, console_enabled = self.dist.scratch_dir(), False
-        try:
-            self._claim = rundir.claim(self.run_dir, resume=resume_state is not None and self.dist.is_main,
-                                       overwrite=overwrite)
-        except BaseException:
-            self.envs.close()
-            raise
+        self.run_dir, self._claim = claim_run_dir(parts, run_dir, resume_state is not None, overwrite)
         notes = list(self._claim.notes)
         try:
-            cfg.save_toml(self.run_dir / "config.toml")
-            if cfg.unsafe:
-                (self.run_dir / "UNSAFE").write_text(
-                    "This run was started with --unsafe; it breaks these guard rails:\n"
-                    + "".join(f"- {n}: {r}\n" for n, r in cfg.guard_rail_violations()))
-
-            if cfg.capture_video and self.dist.is_main:
-                from ppokit.envs.video import VIDEO_DIR, record_env0
-
-                # Env 0 records into RUN_DIR/videos (before the first reset, so episode 0 is the first one).
-                forget_probe_reset(self.envs)  # env 0 is rebuilt: the collector resets the envs itself
-                record_env0(self.envs, cfg.env_id, cfg.env_kwargs, self.run_dir / VIDEO_DIR, cfg.video_every,
-                            int(resume_state["global_step"]) if resume_state is not None else 0,
-                            custom=self.custom_env is not None)
-            env_seed = self.dist.env_seed(cfg.seed, cfg.num_envs)  # cfg.seed in one process
-            with self.watchdog.running():
-                self.collector.reset(env_seed)
-            self.envs.action_space.seed(env_seed)
+            write_run_files(cfg, self.run_dir)
+            self._start_envs(resume_state)
             if resume_state is not None:
-                self._load_state(self.dist.resume_state(resume_state))
-                self.dist.reseed_after_resume(cfg.seed, self.update_idx)
-                # What the killed run logged after its checkpoint is logged again from here: drop the old copy.
-                notes += rundir.trim_to_checkpoint(self.run_dir, self.update_idx, self.global_step)
+                notes += self._resume(resume_state)
             # Where the run ends: config.num_updates in one process; total_timesteps counts every rank's steps.
             self.num_updates, self.end_step = self.dist.schedule(cfg.total_timesteps, cfg.batch_size,
                                                                  self.update_idx, self.global_step)
             rundir.update_latest_link(self.run_dir)
-            # The bar's end is the last update's step, which total_timesteps need not be a multiple of.
-            self.logger = MetricsLogger(self.run_dir, self.end_step, log_every=cfg.log_every,
-                                        tensorboard=cfg.tensorboard and self.dist.is_main, console=console_enabled,
-                                        console_obj=console,
-                                        hparams=cfg.to_dict() if resume_state is None else None,
-                                        resume_step=self.global_step if resume_state is not None else None,
-                                        sinks=self._tracking_sinks())
+            self.logger = make_logger(parts, self.run_dir, self.end_step, console=console,
+                                      console_enabled=console_enabled,
+                                      resume_step=self.global_step if resume_state is not None else None)
         except BaseException:
             self._claim.release()
             self._close_envs()  # an env hung in reset() is not waited on
             raise
         # A trainer dropped without run() (built only to inspect its state) must not leave its lock behind.
-        import weakref
-
         weakref.finalize(self, self._claim.release)
-        self._interrupt_noted = False
+        self._note_start(notes)
+
+    def _resume(self, state: dict) -> list[str]:
+        """Restore the checkpoint's train state and RNG; returns the run dir's notes on what was trimmed."""
+        from ppokit.runtime import rundir
+
+        self._load_state(self.dist.resume_state(state))
+        self.dist.reseed_after_resume(self.config.seed, self.update_idx)
+        # What the killed run logged after its checkpoint is logged again from here: drop the old copy.
+        return rundir.trim_to_checkpoint(self.run_dir, self.update_idx, self.global_step)
+
+    def _start_envs(self, resume_state: dict | None) -> None:
+        """Env 0's video recorder (``capture_video``), then the first reset with the run's env seed."""
+        cfg = self.config
+        if cfg.capture_video and self.dist.is_main:
+            from ppokit.envs.video import VIDEO_DIR, record_env0
+
+            # Env 0 records into RUN_DIR/videos (before the first reset, so episode 0 is the first one).
+            forget_probe_reset(self.envs)  # env 0 is rebuilt: the collector resets the envs itself
+            record_env0(self.envs, cfg.env_id, cfg.env_kwargs, self.run_dir / VIDEO_DIR, cfg.video_every,
+                        int(resume_state["global_step"]) if resume_state is not None else 0,
+                        custom=self.custom_env is not None)
+        env_seed = self.dist.env_seed(cfg.seed, cfg.num_envs)  # cfg.seed in one process
+        with self.watchdog.running():
+            self.collector.reset(env_seed)
+        self.envs.action_space.seed(env_seed)
+
+    def _note_start(self, notes: list[str]) -> None:
+        """The run dir's notes on the console, every rank on rank 0's weights and merged normalizer statistics
+        (a no-op in one process), and the --unsafe alert."""
         self.notes = notes
         if notes:
             from rich.text import Text  # plain text: paths may hold [brackets] that markup would eat
 
             for note in notes:
                 self.logger.console.print(Text(f"note: {note}"))
-        self.metrics: list[dict[str, float]] = []
-        # Every rank starts from rank 0's weights and merges the normalizers' statistics (no-op in one process).
         self.dist.prepare(self.policy, self.acting, [self.obs_norm, self.reward_scaler])
-        if cfg.unsafe:
-            self.logger.alert(self.global_step, "warn", "unsafe_run",
-                              "run started with --unsafe: " + "; ".join(r for _, r in cfg.guard_rail_violations()))
+        if self.config.unsafe:
+            broken = "; ".join(r for _, r in self.config.guard_rail_violations())
+            self.logger.alert(self.global_step, "warn", "unsafe_run", f"run started with --unsafe: {broken}")
 
     # ================================================================== the loop
     def run(self) -> Run:
@@ -368,15 +252,6 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         return Run(self.run_dir, cfg, self.metrics, self.policy, self.global_step,
                    list(self.logger.alerts), self._stop_requested, self._callback_stop)
 
-    def _tracking_sinks(self) -> list:
-        """The metric sinks beyond CSV/TensorBoard/console: W&B under ``track`` (rank 0 only)."""
-        cfg = self.config
-        if not (cfg.track and self.dist.is_main):
-            return []
-        from ppokit.runtime.wandb_sink import WandbSink
-
-        return [WandbSink(self.run_dir, cfg.to_dict(), cfg.wandb_project, cfg.wandb_entity)]
-
     def _run_update_callbacks(self, metrics: dict[str, float]) -> None:
         """Every callback's ``on_update``; one returning False ends the run after this update (callbacks.py)."""
         from ppokit.training.callbacks import UpdateInfo
@@ -439,16 +314,6 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         if self.buffer.policy_state is None:
             return batch
         return self.buffer.sequences(self.config.recurrent_seq_len or self.config.num_steps, advantages, returns)
-
-    def _obs_normalizer(self) -> Any:
-        """The observation normalizer for this env's observations; ConfigError when none of it is a float vector."""
-        space = self.envs.single_observation_space
-        encoder = observation_encoder(space)
-        if not encoder.normalizable:
-            self.envs.close()  # the run ends before it starts
-            raise ConfigError("normalize_obs", f"observation normalization applies to float vector observations; "
-                              f"{space} is {encoder.what}: set normalize_obs = false")
-        return make_obs_normalizer(encoder, self.device)
 
     def update_settings(self, clip_coef: float) -> UpdateSettings:
         """This update's settings, with the algo's schedule overrides (a2c: one gradient step on the whole batch)."""
@@ -532,15 +397,6 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
             m[S.perf_time(phase)] = self.perf[phase]
             m[S.perf_frac(phase)] = self.perf[phase] / total
         return m
-
-
-def _adam_kwargs(device: torch.device) -> dict:
-    # fused Adam runs the whole step as one kernel per dtype/device; it exists for CPU in torch >= 2.4.
-    try:
-        torch.optim.Adam([torch.zeros(1, device=device, requires_grad=True)], fused=True)
-        return {"fused": True}
-    except (RuntimeError, TypeError, ValueError):
-        return {"foreach": True}
 
 
 def train(config: PPOConfig | str, run_dir: str | Path | None = None, console: Any = None,
