@@ -33,7 +33,7 @@ from ppokit.lm.alerts import LMAlerts
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer
 from ppokit.lm.config import LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
-from ppokit.lm.generation import HFGenerator, SamplingSettings
+from ppokit.lm.generation import HFGenerator, SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.prompts import PromptSource
@@ -106,7 +106,8 @@ class LMTrainer(LMRunLifecycle):
         if eos is None:
             raise ValueError("tokenizer: has no eos_token_id; a completion must be able to end")
         pad = getattr(tokenizer, "pad_token_id", None)
-        self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad)
+        self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad,
+                                         stop_token_ids(tokenizer, model))
         # The inputs against the model and the machine, before pi_ref or a critic is copied from it.
         check_tokenizer(tokenizer)
         self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed)
