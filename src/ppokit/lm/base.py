@@ -127,7 +127,7 @@ class LMTrainer(LMRunLifecycle):
         if self.uses_reference:
             self._init_reference(ref_model)
         self._ref_fingerprint = "" if self.ref_model is None else _fingerprint(self.ref_model)
-        self.reward = None if reward is None else make_reward(reward)
+        self.reward = None if reward is None else make_reward(reward, tokenizer)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
         self.backend = CachedSampler() if cfg.sampler == "cached" else HFGenerator()
         # Counters and random streams (all checkpointed).

@@ -166,6 +166,7 @@ class GRPOTrainer(LMTrainer):
         metrics = {
             S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
             S.LM_REWARD_MEAN: float(s.raw_scores.mean()),
+            **{S.reward_term(name): float(v.mean()) for name, v in s.reward_terms.items()},
             S.KL_REF: kl_seq, S.KL_REF_TOKEN: extra.get("kl_ref_token", float("nan")),
             S.RESPONSE_LENGTH: float(mask.sum(-1).float().mean()), S.EOS_FRAC: float(s.has_eos.float().mean()),
             S.DISTINCT_FRAC: len(set(s.completions)) / len(s.completions),

@@ -226,6 +226,7 @@ class PPOTrainer(LMTrainer):
         metrics = {
             S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
             S.LM_REWARD_MEAN: float(s.raw_scores.mean()),
+            **{S.reward_term(name): float(v.mean()) for name, v in s.reward_terms.items()},
             S.KL_REF: kl_seq, S.KL_COEF: kl_coef_used,
             S.RESPONSE_LENGTH: float(mask.sum(-1).float().mean()), S.EOS_FRAC: float(s.has_eos.float().mean()),
             S.DISTINCT_FRAC: len(set(s.completions)) / len(s.completions),

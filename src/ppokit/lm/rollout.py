@@ -18,7 +18,7 @@ rows are completions, the token axis is the response's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 import torch
@@ -104,6 +104,7 @@ class Sampled:
     completions: list[str]
     has_eos: Tensor  # [B] bool
     raw_scores: Tensor  # [B] the reward before the missing-EOS penalty
+    reward_terms: dict[str, Tensor] = field(default_factory=dict)  # name -> [B]: each term of a weighted reward
 
 
 @torch.no_grad()
@@ -148,4 +149,5 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
                        values=values)
     if storage is not None:
         batch = batch.to(storage)
-    return Sampled(batch, list(prompts), completions, has_eos.cpu(), raw)
+    terms = dict(getattr(reward, "last_terms", None) or {})
+    return Sampled(batch, list(prompts), completions, has_eos.cpu(), raw, terms)
