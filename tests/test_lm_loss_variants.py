@@ -290,3 +290,15 @@ def test_mask_truncated_completions_removes_completions_without_a_stop_token_fro
     assert not train.response_mask[truncated].any()
     assert torch.equal(train.response_mask[~truncated], s.batch.response_mask[~truncated])
     assert s.batch.response_mask[truncated].any()  # the rollout itself is untouched (its metrics use it)
+
+
+@pytest.mark.parametrize("flag,value,field", [("--loss-type", "ppo", "loss_type"), ("--dpo-loss", "kto", "dpo_loss"),
+                                              ("--epsilon-high", "-1", "epsilon_high"),
+                                              ("--std-ddof", "2", "std_ddof")])
+def test_a_bad_loss_variant_flag_is_one_error_line_naming_the_field(flag, value, field, capsys):
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    from ppokit.cli import main
+
+    rc = main(["lm", "grpo", "--model", "m", "--reward", "r:f", "--prompts", "p.jsonl", flag, value])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and field in err[0] and "Traceback" not in err[0]

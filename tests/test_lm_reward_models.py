@@ -173,3 +173,28 @@ def test_the_cli_refuses_a_weight_count_that_does_not_match_the_rewards_in_one_l
         sys.modules.pop("myrew2", None)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--reward-weights 1: 1 weights for 2 rewards" in err[0]
+
+
+def test_a_run_against_a_reward_model_alone_resumes_without_naming_a_function(tmp_path, monkeypatch, capsys):
+    from ppokit.cli import main
+    from ppokit.lm.tiny import save_tiny
+
+    policy, tok = build_tiny(POLICY_ALPHABET, seed=0)
+    save_tiny(policy, tok, tmp_path / "policy")
+    rm = _reward_model("gpt2", tok, seed=6)
+    rm.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    (tmp_path / "p.txt").write_text("A:\nXB:\n")
+    monkeypatch.chdir(tmp_path)
+    budget = ["--batch-prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--num-minibatches", "1",
+              "--update-epochs", "1", "--no-console", "--no-tensorboard"]
+    assert main(["lm", "grpo", "--model", "policy", "--reward-model", "rm", "--prompts", "p.txt", "--run-dir", "run",
+                 "--iterations", "1", *budget]) == 0
+    assert main(["lm", "grpo", "--resume", "run", "--iterations", "2"]) == 0
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert len(rows) == 2 and all(math.isfinite(float(r["lm/reward_mean"])) for r in rows)
+    capsys.readouterr()
+    assert main(["lm", "grpo", "--model", "policy", "--reward-model", "nowhere", "--prompts", "p.txt",
+                 "--run-dir", "run2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --reward-model ") and "nowhere: not a model directory" in err[0]
