@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ppokit.core import schema as S
 from ppokit.diagnostics.monitor import Monitor
 from ppokit.lm.alerts import LMAlerts
-from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer
+from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
 from ppokit.lm.config import LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
 from ppokit.lm.generation import HFGenerator, SamplingSettings, stop_token_ids
@@ -113,6 +113,7 @@ class LMTrainer(LMRunLifecycle):
         self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed)
         self._check_inputs(model, ref_model)
         self.policy = model.to(self.device)
+        warn_half_precision([p for p in self.policy.parameters() if p.requires_grad])
         disable_dropout(self.policy)
         if cfg.fused_activations:  # before pi_ref and the value model are copied from it
             fuse_activations(self.policy)

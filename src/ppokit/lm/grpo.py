@@ -103,7 +103,7 @@ class GRPOTrainer(LMTrainer):
     def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
-                                           with_entropy=True)
+                                           with_entropy=True, entropy_grad=cfg.ent_coef > 0)
         # The policy loss carries the beta * KL(pi_theta || pi_ref) term (``LossSettings.beta``).
         settings = settings_for(cfg, beta=cfg.beta, tokens_per_minibatch=self._tokens_per_minibatch)
         loss, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, mb.logp_ref, mb.advantages, mask, settings)

@@ -168,7 +168,7 @@ class PPOTrainer(LMTrainer):
     def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
-                                           with_entropy=True)
+                                           with_entropy=True, entropy_grad=cfg.ent_coef > 0)
         # The KL to pi_ref is in the reward (``rlhf_rewards``), so the policy loss gets no reference term.
         loss_policy, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, None, mb.advantages, mask,
                                                        settings_for(cfg, 0.0, self._tokens_per_minibatch))
