@@ -181,14 +181,16 @@ def test_a_weighted_list_sums_its_rewards():
     assert r(["p", "p"], ["ab", "c"], INFO).tolist() == [0.5 + 2 - 4, 0.5 + 1 - 2]
 
 
-def test_an_nn_module_reward_model_scores_the_token_ids():
+def test_an_nn_module_reward_model_scores_the_prompt_and_completion_re_tokenized_and_right_padded():
+    from ppokit.lm.tiny import build_char_tokenizer
+
     class SumIds(nn.Module):
         def forward(self, input_ids, attention_mask):
             return (input_ids * attention_mask).sum(-1, keepdim=True).float()  # [B, 1]
 
-    info = dict(INFO, input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]),
-                attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
-    assert make_reward(SumIds())(["p", "p"], ["a", "b"], info).tolist() == [5.0, 15.0]
+    tok = build_char_tokenizer("pab")  # ids: p 3, a 4, b 5
+    # The policy's ids in info are not what it reads: the text, tokenized by the tokenizer it is given.
+    assert make_reward(SumIds(), tok)(["p", "pp"], ["a", "bb"], INFO).tolist() == [3 + 4, 3 + 3 + 5 + 5]
 
 
 def test_bad_rewards_fail_with_one_clear_line():

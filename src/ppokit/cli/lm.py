@@ -94,10 +94,16 @@ def _full_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--pairs", metavar="FILE", help='JSONL of {"prompt": ..., "chosen": ..., "rejected": ...} '
                                                        "preference pairs; required, except with --resume")
     else:
-        p.add_argument("--reward", metavar="MODULE:FUNCTION",
+        p.add_argument("--reward", metavar="MODULE:FUNCTION", action="append",
                        help="reward_fn(prompts, completions, **info) -> list[float], imported from the current "
-                            "directory (or installed packages); required, with --resume too (a run dir never "
-                            "chooses what is imported)")
+                            "directory (or installed packages); repeat it for several; required (or --reward-model), "
+                            "with --resume too (a run dir never chooses what is imported)")
+        p.add_argument("--reward-model", metavar="DIR", action="append",
+                       help="a sequence-classification reward model directory (one label, its own tokenizer; "
+                            "the completion is re-tokenized for it); repeatable")
+        p.add_argument("--reward-weights", metavar="W1,W2,...",
+                       help="one weight per --reward, then per --reward-model, in order (default: all 1); the "
+                            "score is the weighted sum, each term logged as lm/reward/<name>")
         p.add_argument("--prompts", metavar="FILE", help='prompts: a JSONL file ({"prompt": ...} per line) or a '
                                                          "text file (one per line); required, except with --resume")
     p.add_argument("--iterations", type=int, default=None,
@@ -218,6 +224,40 @@ def load_reward(spec: str):
     if not callable(fn):
         raise InputError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def parse_weights(text: str | None, n: int) -> list[float]:
+    """``--reward-weights`` as ``n`` finite numbers (all 1.0 when not given); InputError otherwise."""
+    import math
+
+    if text is None:
+        return [1.0] * n
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise InputError(f"--reward-weights {text}: expected comma-separated numbers, e.g. 1,0.5") from None
+    if len(weights) != n:
+        raise InputError(f"--reward-weights {text}: {len(weights)} weights for {n} rewards (--reward, then "
+                         "--reward-model, in order); give one per reward")
+    if not all(math.isfinite(w) for w in weights):
+        raise InputError(f"--reward-weights {text}: every weight must be a finite number")
+    return weights
+
+
+def load_rewards(specs: list[str], model_dirs: list[str], weights: str | None, device: str = "cpu"):
+    """The reward the trainer gets: one function or reward model alone, or the weighted list of all of them."""
+    from ppokit.lm.reward_models import load_reward_model
+
+    terms = [load_reward(spec) for spec in specs]
+    for d in model_dirs:
+        try:
+            terms.append(load_reward_model(d, device=device))
+        except ValueError as exc:
+            raise InputError(_first_line(exc)) from None
+    w = parse_weights(weights, len(terms))
+    if len(terms) == 1 and w == [1.0]:
+        return terms[0]
+    return list(zip(terms, w))
 
 
 def load_prompt_file(path: str) -> list[str]:
@@ -367,14 +407,22 @@ def _resume_inputs(command: str, full: argparse.Namespace):
               "iterations": full.iterations or recorded.get("iterations") or DEFAULT_ITERATIONS}
     if full.lora and not inputs["lora"]:
         raise InputError(f"--lora: the run in {run_dir} trained every weight, not a LoRA adapter; drop --lora")
-    keys = ("pairs",) if command == "dpo" else ("prompts", "reward")
+    keys = ("pairs",) if command == "dpo" else ("prompts",)
     for key in keys:
-        inputs[key] = getattr(full, key) or (recorded.get(key) if key != "reward" else None)
-    if command != "dpo" and not full.reward:
-        # As for env ids in checkpoints (checkpoint.check_stored_env_id): what a run dir names is never imported.
-        hint = f" (the run used {recorded['reward']})" if isinstance(recorded.get("reward"), str) else ""
-        raise InputError(f"--reward: give the reward function again with --resume{hint}; ppokit never imports a "
-                         "module named only by a run dir")
+        inputs[key] = getattr(full, key) or recorded.get(key)
+    if command != "dpo":
+        inputs["reward"] = full.reward or []
+        inputs["reward_model"] = full.reward_model or list(recorded.get("reward_model") or [])
+        inputs["reward_weights"] = full.reward_weights or recorded.get("reward_weights")
+        used = recorded.get("reward")
+        if not full.reward and used:
+            # As for env ids in checkpoints (checkpoint.check_stored_env_id): what a run dir names is never imported.
+            shown = used if isinstance(used, str) else " ".join(used)
+            raise InputError(f"--reward: give the reward function again with --resume (the run used {shown}); "
+                             "ppokit never imports a module named only by a run dir")
+        if not inputs["reward"] and not inputs["reward_model"]:
+            raise InputError("--reward: give the reward function again with --resume; ppokit never imports a "
+                             "module named only by a run dir")
     for key in ("model", *keys):
         if not isinstance(inputs[key], str):
             raise InputError(f"--{key}: required with --resume {run_dir} (its lm_run.json does not record it)")
@@ -392,11 +440,13 @@ def _train(command: str, full: argparse.Namespace) -> int:
     else:
         config = config_from_args(full)  # before any model is loaded: a bad value costs nothing
         for key in ("model", *(("pairs",) if command == "dpo" else ("reward", "prompts"))):
-            if not getattr(full, key):
+            if not getattr(full, key) and not (key == "reward" and getattr(full, "reward_model", None)):
                 raise InputError(f"--{key}: required (ppokit lm {command} --help lists the options)")
+        data_inputs = ({"pairs": full.pairs} if command == "dpo" else
+                       {"reward": full.reward or [], "reward_weights": full.reward_weights, "prompts": full.prompts,
+                        "reward_model": [str(Path(d).resolve()) for d in full.reward_model or []]})
         inputs = {"model": full.model, "lora": full.lora, "lora_r": full.lora_r,
-                  "iterations": full.iterations or DEFAULT_ITERATIONS,
-                  **({"pairs": full.pairs} if command == "dpo" else {"reward": full.reward, "prompts": full.prompts})}
+                  "iterations": full.iterations or DEFAULT_ITERATIONS, **data_inputs}
         run_dir = Path(full.run_dir) if full.run_dir else _default_run_dir(command, config.seed)
         held = [name for name in RUN_FILES if (run_dir / name).exists()]
         if held:  # the trainer appends to metrics.csv: a second run there would mix two runs' rows
@@ -406,7 +456,8 @@ def _train(command: str, full: argparse.Namespace) -> int:
     if command == "dpo":
         data, reward = load_pairs(inputs["pairs"]), None
     else:
-        reward = load_reward(inputs["reward"])
+        reward = load_rewards(inputs["reward"], inputs["reward_model"], inputs["reward_weights"],
+                              config.device if config is not None else "cpu")
         data = load_prompt_file(inputs["prompts"])
     model, tokenizer = load_model_dir(inputs["model"], device=config.device if config is not None else "cpu")
     if inputs["lora"]:
@@ -446,7 +497,7 @@ def _train(command: str, full: argparse.Namespace) -> int:
             summary = _score_summary(trainer.train(total - trainer.iteration))
     finally:
         trainer.close()
-    again = f"ppokit lm {command} --resume {run_dir}" + (f" --reward {inputs['reward']}" if command != "dpo" else "")
+    again = f"ppokit lm {command} --resume {run_dir}" + "".join(f" --reward {r}" for r in inputs.get("reward", []))
     if trainer.interrupted:
         import signal
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Metric", "METRICS", "LM_METRICS", "STALE_SOURCE_METRICS", "ATARI_METRICS", "THRESHOLDS", "perf_time", "perf_frac", "KL_WARN", "KL_ALERT", "CLIPFRAC_HEALTHY",
+__all__ = ["Metric", "METRICS", "LM_METRICS", "STALE_SOURCE_METRICS", "ATARI_METRICS", "THRESHOLDS", "perf_time", "perf_frac", "reward_term", "KL_WARN", "KL_ALERT", "CLIPFRAC_HEALTHY",
            "CLIPFRAC_HIGH", "CLIPFRAC_NEVER_FIRES", "KL_NEGLIGIBLE", "KL_STOP_FACTOR", "EV_MIN"]
 
 
@@ -151,6 +151,12 @@ LM_METRICS: list[str] = []
 def _lm_metric(name: str, meaning: str, good: str = "") -> str:
     LM_METRICS.append(name)
     return _metric(name, meaning, good)
+
+
+def reward_term(name: str) -> str:
+    """``lm/reward/<name>``: mean unweighted value of one term of a weighted reward (a function or a reward model,
+    ``--reward`` / ``--reward-model`` given several times), logged beside lm/reward_mean (the weighted sum)."""
+    return f"lm/reward/{name}"
 
 
 SCORE_MEAN = _lm_metric("charts/score_mean", "mean score of the iteration's completions (the reward, minus "

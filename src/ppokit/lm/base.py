@@ -30,10 +30,10 @@ from torch import Tensor, nn
 from ppokit.core import schema as S
 from ppokit.diagnostics.monitor import Monitor
 from ppokit.lm.alerts import LMAlerts
-from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer
+from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
 from ppokit.lm.config import LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
-from ppokit.lm.generation import HFGenerator, SamplingSettings
+from ppokit.lm.generation import HFGenerator, SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.prompts import PromptSource
@@ -106,12 +106,14 @@ class LMTrainer(LMRunLifecycle):
         if eos is None:
             raise ValueError("tokenizer: has no eos_token_id; a completion must be able to end")
         pad = getattr(tokenizer, "pad_token_id", None)
-        self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad)
+        self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad,
+                                         stop_token_ids(tokenizer, model))
         # The inputs against the model and the machine, before pi_ref or a critic is copied from it.
         check_tokenizer(tokenizer)
         self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed)
         self._check_inputs(model, ref_model)
         self.policy = model.to(self.device)
+        warn_half_precision([p for p in self.policy.parameters() if p.requires_grad])
         disable_dropout(self.policy)
         if cfg.fused_activations:  # before pi_ref and the value model are copied from it
             fuse_activations(self.policy)
@@ -126,7 +128,7 @@ class LMTrainer(LMRunLifecycle):
         if self.uses_reference:
             self._init_reference(ref_model)
         self._ref_fingerprint = "" if self.ref_model is None else _fingerprint(self.ref_model)
-        self.reward = None if reward is None else make_reward(reward)
+        self.reward = None if reward is None else make_reward(reward, tokenizer)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
         self.backend = CachedSampler() if cfg.sampler == "cached" else HFGenerator()
         # Counters and random streams (all checkpointed).

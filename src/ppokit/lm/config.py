@@ -25,6 +25,7 @@ __all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
 KL_ESTIMATORS = ("k1", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 SAMPLERS = ("cached", "hf")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 _SEED_MAX = 2**32 - 1
 
 
@@ -65,6 +66,13 @@ class LMConfig:
                              + " (see ppokit.core.reductions.reduce)")
     policy_loss: str = _f("ppo", "PPO and GRPO: the policy loss, a name registered in ppokit.lm.losses (ppo: the "
                           "clipped surrogate, with GRPO's beta * k3 KL to pi_ref); DPO always uses dpo")
+    loss_type: str | None = _f(None, "TRL's name for the policy loss's normalization, replacing loss_reduction: grpo "
+                               "(seq_mean_token_mean), bnpo (token_mean), dr_grpo (seq_mean_token_sum_norm), dapo "
+                               "(token sums over the rollout's tokens per minibatch); none: loss_reduction decides")
+    epsilon_high: float | None = _f(None, "upper clip eps_high of the ratio, range [1 - clip_coef, 1 + eps_high] "
+                                    "(DAPO's clip-higher, typical 0.28); none: clip_coef")
+    importance_sampling_level: str = _f("token", "importance ratio per token, or per sequence (GSPO: exp of the mean "
+                                        "token log-ratio of the completion)")
     ent_coef: float = _f(0.0, "entropy bonus coefficient, >= 0")
     whiten_advantages: bool = _f(True, "PPO: whiten the advantages over the rollout's response tokens (required "
                                  "unless unsafe)")
@@ -88,6 +96,19 @@ class LMConfig:
     scale_rewards: str = _f("group", "GRPO: advantage (r - group mean) divided by the group's std (group), the "
                             "batch's std (batch) or not at all (none)")
     adv_eps: float = _f(1e-4, "GRPO: eps in (r - mean) / (std + eps), > 0")
+    advantage_estimator: str = _f("grpo", "GRPO: the baseline of a completion's reward: grpo (its group's mean), rloo "
+                                  "(the mean of the other G - 1 of its group) or reinforce++ (the batch mean, "
+                                  "divided by the batch std: needs scale_rewards batch or none)")
+    std_ddof: int = _f(0, "GRPO: delta degrees of freedom of the reward std, 0 (population) or 1 (Bessel's, "
+                       "TRL's)")
+    drop_zero_std_groups: bool = _f(False, "GRPO: leave the groups whose G rewards are all equal out of the update "
+                                    "(DAPO's dynamic sampling, without resampling)")
+    mask_truncated_completions: bool = _f(False, "GRPO: leave completions that hit max_new_tokens without a stop "
+                                          "token out of the loss (they still count in the group statistics)")
+    dpo_loss: str = _f("sigmoid", "DPO: sigmoid (the paper's), ipo (squared, on length-normalized log-probs) or "
+                       "hinge (SLiC)")
+    label_smoothing: float = _f(0.0, "DPO sigmoid: probability that a preference label is flipped (conservative "
+                                "DPO), in [0, 0.5)")
     fused_activations: bool = _f(True, "run the model's tanh-GELU (transformers' NewGELUActivation, gelu_new) as "
                                  "torch's one fused kernel: the same function to rounding (ppokit.lm.kernels)")
     # --- memory ---
@@ -149,7 +170,29 @@ class LMConfig:
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
              f"must be one of {', '.join(SCALE_REWARDS)}, got {self.scale_rewards!r}")
-        from ppokit.lm.losses import LOSSES  # torch, so not at import: the CLI's --help stays light
+        from ppokit.lm.losses import DPO_LOSSES, IS_LEVELS, LOSS_TYPES, LOSSES  # torch: not at import (--help)
+
+        if self.loss_type is not None:
+            need(self.loss_type in LOSS_TYPES, "loss_type",
+                 f"must be one of {', '.join(LOSS_TYPES)} or none, got {self.loss_type!r}")
+            default = _default("loss_reduction")
+            need(self.loss_reduction in (default, LOSS_TYPES[self.loss_type]), "loss_type",
+                 f"{self.loss_type} sets the reduction, and loss_reduction={self.loss_reduction!r} asks for "
+                 "another; give one of the two")
+        if self.epsilon_high is not None:
+            need(self.epsilon_high > 0, "epsilon_high", f"must be > 0 or none, got {self.epsilon_high!r}")
+        need(self.importance_sampling_level in IS_LEVELS, "importance_sampling_level",
+             f"must be one of {', '.join(IS_LEVELS)}, got {self.importance_sampling_level!r}")
+        need(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
+             f"must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}")
+        need(self.advantage_estimator != "reinforce++" or self.scale_rewards != "group", "advantage_estimator",
+             "reinforce++ normalizes over the batch (Hu et al. 2025), not per group: set scale_rewards to batch "
+             "(or none)")
+        need(self.std_ddof in (0, 1), "std_ddof", f"must be 0 or 1, got {self.std_ddof!r}")
+        need(self.dpo_loss in DPO_LOSSES, "dpo_loss", f"must be one of {', '.join(DPO_LOSSES)}, got {self.dpo_loss!r}")
+        need(0 <= self.label_smoothing < 0.5, "label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        need(self.label_smoothing == 0 or self.dpo_loss == "sigmoid", "label_smoothing",
+             f"applies to dpo_loss sigmoid only, not {self.dpo_loss}")
 
         token_losses = sorted(n for n in LOSSES if n != "dpo")
         need(self.policy_loss in token_losses, "policy_loss",
@@ -200,6 +243,10 @@ class LMConfig:
             if key not in names:
                 raise ConfigError(str(key), f"is not an LMConfig field (known: {', '.join(sorted(names))})")
         return cls(**data).validate()
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(LMConfig) if f.name == name)
 
 
 def _check_type(f: dataclasses.Field, value: Any) -> None:

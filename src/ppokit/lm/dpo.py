@@ -148,7 +148,8 @@ class DPOTrainer(LMTrainer):
         ref, _ = self.token_logprobs(pairs, reference=True)
         with self._training_mode():
             logp, resp_mask = self.token_logprobs(pairs)
-            loss, stats = get_loss("dpo")(logp, None, ref, None, resp_mask, LossSettings(beta=cfg.beta))
+            settings = LossSettings(beta=cfg.beta, dpo_loss=cfg.dpo_loss, label_smoothing=cfg.label_smoothing)
+            loss, stats = get_loss("dpo")(logp, None, ref, None, resp_mask, settings)
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()
         params = self.trainable_parameters()

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Generator", "HFGenerator", "SamplingSettings", "warn_ignored_generation_config"]
+__all__ = ["Generator", "HFGenerator", "SamplingSettings", "stop_token_ids", "warn_ignored_generation_config"]
 
 # Settings of a model's generation config that change the sampling distribution, with their neutral values.
 _NEUTRAL = {"top_k": (0, None), "top_p": (1.0, None), "typical_p": (1.0, None), "min_p": (None, 0.0),
@@ -32,13 +32,28 @@ _NEUTRAL = {"top_k": (0, None), "top_p": (1.0, None), "typical_p": (1.0, None), 
 
 class SamplingSettings:
     """What every backend must honour: pure sampling at ``temperature``, at most ``max_new_tokens`` tokens,
-    stopping a row at ``eos_token_id``; finished rows are filled with ``pad_token_id``."""
+    stopping a row at the first of ``stop_token_ids`` (``eos_token_id`` and any others, ``stop_token_ids``);
+    finished rows are filled with ``pad_token_id``."""
 
-    def __init__(self, max_new_tokens: int, temperature: float, eos_token_id: int, pad_token_id: int):
+    def __init__(self, max_new_tokens: int, temperature: float, eos_token_id: int, pad_token_id: int,
+                 stop_token_ids: tuple[int, ...] = ()):
         self.max_new_tokens = int(max_new_tokens)
         self.temperature = float(temperature)
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
+        self.stop_token_ids = tuple(dict.fromkeys([self.eos_token_id, *(int(t) for t in stop_token_ids)]))
+
+
+def stop_token_ids(tokenizer, model: nn.Module) -> tuple[int, ...]:
+    """The ids that end a completion: the tokenizer's EOS, then every id of the model's
+    ``generation_config.eos_token_id`` (an int or a list: instruct models such as Llama-3-Instruct and
+    Qwen2.5-Instruct list their end-of-turn tokens there beside the EOS), in that order, without repeats."""
+    ids = [int(tokenizer.eos_token_id)]
+    own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for t in (own if isinstance(own, (list, tuple)) else [own]):
+        if t is not None:
+            ids.append(int(t))
+    return tuple(dict.fromkeys(ids))
 
 
 class Generator(Protocol):
@@ -70,7 +85,7 @@ class HFGenerator:
         from transformers import GenerationConfig
 
         clean = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=settings.temperature,
-                                 max_new_tokens=settings.max_new_tokens, eos_token_id=settings.eos_token_id,
+                                 max_new_tokens=settings.max_new_tokens, eos_token_id=list(settings.stop_token_ids),
                                  pad_token_id=settings.pad_token_id, num_beams=1, use_cache=True)
         own = getattr(model, "generation_config", None)
         warn_ignored_generation_config(model, settings, self._warned)

@@ -17,7 +17,9 @@ Each iteration:
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,7 +31,7 @@ from ppokit.core.reductions import reduce
 from ppokit.lm.base import LMTrainer, adamw
 from ppokit.lm.config import ConfigError, LMConfig
 from ppokit.lm.logprobs import token_logprobs
-from ppokit.lm.losses import get_loss, settings_for
+from ppokit.lm.losses import get_loss, reduce_tokens, settings_for
 from ppokit.lm.rollout import TokenBatch
 from ppokit.lm.step import TokenStep
 from ppokit.update.epochs import UpdateSettings, ppo_epochs
@@ -38,24 +40,36 @@ __all__ = ["GRPOTrainer", "group_advantages"]
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
-                     batch_std: float | None = None) -> tuple[Tensor, Tensor]:
+                     batch_std: float | None = None, estimator: str = "grpo",
+                     ddof: int = 0) -> tuple[Tensor, Tensor]:
     """``[B]`` rewards in consecutive groups of ``group_size`` -> ``([B] advantages, [B // G] zero-std flags)``.
 
-    ``group``: ``(r - mean_g) / (std_g + eps)``; ``batch``: ``(r - mean_g) / (std_batch + eps)``; ``none``:
-    ``r - mean_g``. Stds are population stds. A group whose spread is within rounding error of its mean (every
-    constant group; ``advantages.normalize``'s rule) gets exactly 0, not the rounding noise of ``r - mean``.
-    ``batch_std`` replaces the batch's std (data-parallel: the std over every rank's rewards).
+    The centred reward by ``estimator``: ``grpo`` ``r - mean_g`` (Shao et al. 2024); ``rloo`` ``r_i`` minus the
+    mean of the other ``G - 1`` rewards of its group, ``= G / (G - 1) (r_i - mean_g)`` (Ahmadian et al. 2024);
+    ``reinforce++`` ``r - mean_batch`` (Hu et al. 2025, the batch as the baseline). Then divided by ``scale``:
+    ``group`` ``std_g + eps``, ``batch`` ``std_batch + eps``, ``none`` nothing. Stds with ``ddof`` (0: population;
+    1: Bessel's, as TRL's ``torch.std``). A group whose spread is within rounding error of its mean (every
+    constant group; ``advantages.normalize``'s rule) is centred to exactly 0 by grpo and rloo, not to the rounding
+    noise of ``r - mean``. ``batch_std`` replaces the batch's std (data-parallel: the std over every rank's rewards).
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"group_advantages: {tuple(rewards.shape)} rewards do not split into groups of {group_size}")
     r = rewards.float().view(-1, group_size)  # [P, G]
-    std_g, mean_g = torch.std_mean(r, dim=1, unbiased=False, keepdim=True)
-    zero_std = std_g <= SPREAD_ULPS * torch.finfo(r.dtype).eps * mean_g.abs()  # [P, 1]
-    centred = torch.where(zero_std, 0.0, r - mean_g)
+    std_g, mean_g = torch.std_mean(r, dim=1, correction=ddof, keepdim=True)
+    spread = std_g if ddof == 0 else r.std(dim=1, correction=0, keepdim=True)
+    zero_std = spread <= SPREAD_ULPS * torch.finfo(r.dtype).eps * mean_g.abs()  # [P, 1]
+    if estimator == "grpo":
+        centred = torch.where(zero_std, 0.0, r - mean_g)
+    elif estimator == "rloo":
+        centred = torch.where(zero_std, 0.0, (r - mean_g) * (group_size / (group_size - 1)))
+    elif estimator == "reinforce++":
+        centred = r - rewards.float().mean()
+    else:
+        raise ValueError(f"group_advantages: unknown estimator {estimator!r}; choose grpo, rloo or reinforce++")
     if scale == "group":
         adv = centred / (std_g + eps)
     elif scale == "batch":
-        adv = centred / ((rewards.float().std(unbiased=False) if batch_std is None else batch_std) + eps)
+        adv = centred / ((rewards.float().std(correction=ddof) if batch_std is None else batch_std) + eps)
     elif scale == "none":
         adv = centred
     else:
@@ -73,10 +87,14 @@ class GRPOTrainer(LMTrainer):
                  ref_model: nn.Module | None = None, *, overwrite: bool = False):
         # beta = 0: no KL term, so no reference is built (no copy of the model in memory).
         config = (config if config is not None else LMConfig()).validate()
+        if config.drop_zero_std_groups and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("drop_zero_std_groups", "is single-process only: the ranks would keep different "
+                              "numbers of rows and their minibatch counts would differ")
         if config.group_size < 2:
             raise ConfigError("group_size", f"GRPO needs at least 2 completions per prompt (the group is the "
                               f"baseline; one completion always has advantage 0), got {config.group_size}")
         self.uses_reference = config.beta > 0
+        self._tokens_per_minibatch: float | None = None  # loss_type dapo's normalizer, set by each step
         super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
         self.overwrite = overwrite
         cfg = self.config
@@ -85,16 +103,29 @@ class GRPOTrainer(LMTrainer):
     def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
-                                           with_entropy=True)
+                                           with_entropy=True, entropy_grad=cfg.ent_coef > 0)
         # The policy loss carries the beta * KL(pi_theta || pi_ref) term (``LossSettings.beta``).
-        loss, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, mb.logp_ref, mb.advantages, mask,
-                                                settings_for(cfg, beta=cfg.beta))
+        settings = settings_for(cfg, beta=cfg.beta, tokens_per_minibatch=self._tokens_per_minibatch)
+        loss, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, mb.logp_ref, mb.advantages, mask, settings)
         if cfg.ent_coef > 0:  # at 0 the entropy stays out of the graph: the backward skips it (same gradient)
-            loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
+            loss_entropy = -reduce_tokens(entropy, mask, settings)
             loss = loss + cfg.ent_coef * loss_entropy
         stats["value_loss"] = torch.zeros((), device=logp_new.device)  # no critic
         stats["entropy"] = reduce(entropy.detach(), mask, "token_mean")
         return loss, stats
+
+    def _update_batch(self, b: TokenBatch, has_eos: Tensor, zero_std: Tensor) -> TokenBatch:
+        """The rows and tokens the update trains on: without the constant groups (``drop_zero_std_groups``), with
+        truncated completions masked out (``mask_truncated_completions``); sets dapo's tokens per minibatch."""
+        cfg = self.config
+        if cfg.mask_truncated_completions:
+            b = replace(b, response_mask=b.response_mask & has_eos.to(b.response_mask.device)[:, None])
+        if cfg.drop_zero_std_groups:
+            keep = torch.nonzero(~zero_std.repeat_interleave(cfg.group_size)).squeeze(-1)
+            b = b.index(keep)
+        minibatches = max(1, min(cfg.num_minibatches, len(b)))
+        self._tokens_per_minibatch = max(float(b.response_mask.sum()), 1.0) / minibatches
+        return b
 
     def step(self) -> dict[str, float]:
         cfg = self.config
@@ -106,20 +137,28 @@ class GRPOTrainer(LMTrainer):
         b = s.batch
         t_rollout = time.perf_counter() - started
         # 2. Group-relative advantages, the same on every token of a completion.
-        batch_std = self.dist.global_std(b.scores) if cfg.scale_rewards == "batch" else None
-        adv, zero_std = group_advantages(b.scores.cpu(), cfg.group_size, cfg.scale_rewards, cfg.adv_eps, batch_std)
+        batch_std = self.dist.global_std(b.scores) if cfg.scale_rewards == "batch" and cfg.std_ddof == 0 else None
+        adv, zero_std = group_advantages(b.scores.cpu(), cfg.group_size, cfg.scale_rewards, cfg.adv_eps, batch_std,
+                                         cfg.advantage_estimator, cfg.std_ddof)
         b.advantages = adv.to(b.logp_old.device)[:, None].expand_as(b.logp_old).contiguous()
         mask = b.response_mask
+        train = self._update_batch(b, s.has_eos, zero_std)
         kl_seq = (float("nan") if b.logp_ref is None
                   else float(torch.where(mask, b.logp_old - b.logp_ref, 0.0).sum(-1).mean()))
         # 3. K epochs of minibatches.
         t0 = time.perf_counter()
-        settings = UpdateSettings(algo="ppo", update_epochs=cfg.update_epochs, num_minibatches=cfg.num_minibatches,
+        settings = UpdateSettings(algo="ppo", update_epochs=cfg.update_epochs,
+                                  num_minibatches=max(1, min(cfg.num_minibatches, len(train))),
                                   clip_coef=cfg.clip_coef, clip_vloss=False, norm_adv=False, ent_coef=cfg.ent_coef,
                                   vf_coef=0.0, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
         step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm)
         with self._training_mode():
-            update = ppo_epochs(b, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
+            if len(train):
+                update = ppo_epochs(train, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
+            else:  # every group was dropped (drop_zero_std_groups): nothing to learn from this rollout
+                update = {name: float("nan") for name in ("policy_loss", "entropy", "approx_kl", "approx_kl_k1",
+                                                          "clipfrac", "grad_norm")}
+                update.update(epochs_run=0.0, early_stopped=0.0, minibatches=0.0, skipped_minibatches=0.0)
         extra = step.extra_means()
         t_update = time.perf_counter() - t0
         self.iteration += 1
@@ -127,6 +166,7 @@ class GRPOTrainer(LMTrainer):
         metrics = {
             S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
             S.LM_REWARD_MEAN: float(s.raw_scores.mean()),
+            **{S.reward_term(name): float(v.mean()) for name, v in s.reward_terms.items()},
             S.KL_REF: kl_seq, S.KL_REF_TOKEN: extra.get("kl_ref_token", float("nan")),
             S.RESPONSE_LENGTH: float(mask.sum(-1).float().mean()), S.EOS_FRAC: float(s.has_eos.float().mean()),
             S.DISTINCT_FRAC: len(set(s.completions)) / len(s.completions),

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["position_ids", "response_mask", "sequence_forward", "token_logprobs", "kl_per_token", "logprobs_of"]
+__all__ = ["position_ids", "response_mask", "sequence_forward", "token_logprobs", "selective_logprobs", "entropy_of",
+           "kl_per_token", "logprobs_of"]
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -71,13 +72,51 @@ def logprobs_of(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Ten
     return torch.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+# Rows per chunk of the no-gradient log-softmax: at most about this many logits in float32 at once (64 MB).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def selective_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """``log softmax(logits)`` at ``tokens`` as ``logit[token] - logsumexp(logits)`` (the same function).
+
+    Without gradient (pi_old, pi_ref) it runs over row chunks of ``_CHUNK_ELEMENTS`` logits, so no float32
+    ``[B, R, V]`` tensor is made beside the logits (a half-precision model's logits are never upcast whole).
+    With gradient it is one pass: the backward holds one full-vocabulary tensor either way (``logsumexp``'s
+    input here, ``log_softmax``'s output in the textbook form)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        lf = logits.float()
+        return lf.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lf, -1)
+    rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1] * logits.shape[2]))
+    out = []
+    with torch.no_grad():
+        for lg, tk in zip(logits.split(rows), tokens.split(rows)):
+            lf = lg.float()
+            out.append(lf.gather(-1, tk.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lf, -1))
+    return torch.cat(out)
+
+
+def entropy_of(logits: Tensor) -> Tensor:
+    """``[B, R]`` entropy of ``softmax(logits)`` as ``logsumexp(x) - sum(p x)``; without gradient over row chunks,
+    as ``selective_logprobs``."""
+    def one(lf: Tensor) -> Tensor:
+        return torch.logsumexp(lf, -1) - (torch.softmax(lf, -1) * lf).sum(-1)
+
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return one(logits.float())
+    rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1] * logits.shape[2]))
+    with torch.no_grad():
+        return torch.cat([one(lg.float()) for lg in logits.split(rows)])
+
+
 def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, n_response: int,
-                   temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                   temperature: float = 1.0, with_entropy: bool = False,
+                   entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
     """Log-probs of the response tokens under ``model``'s tempered distribution, and optionally its entropy.
 
     ``input_ids``/``attention_mask`` ``[B, P + R]`` (layout in the module docstring) -> ``logp [B, R]`` float32 and
-    ``entropy [B, R]`` (nats of ``softmax(logits / temperature)`` at each response position) or None. Values at
-    masked positions are finite but meaningless; every caller masks them out.
+    ``entropy [B, R]`` (nats of ``softmax(logits / temperature)`` at each response position) or None. With
+    ``entropy_grad=False`` the entropy is computed detached (for logging only: no graph, no saved
+    full-vocabulary tensors). Values at masked positions are finite but meaningless; every caller masks them out.
     """
     B = input_ids.shape[0]
     if n_response == 0:
@@ -86,11 +125,10 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     logits = sequence_forward(model, input_ids, attention_mask, n_response)
     if temperature != 1.0:
         logits = logits / temperature
-    logp_all = torch.log_softmax(logits.float(), -1)  # [B, R, V]
-    logp = logp_all.gather(-1, input_ids[:, -n_response:].unsqueeze(-1)).squeeze(-1)
+    logp = selective_logprobs(logits, input_ids[:, -n_response:])
     entropy = None
     if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        entropy = entropy_of(logits if entropy_grad else logits.detach())
     return logp, entropy
 
 

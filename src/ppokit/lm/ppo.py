@@ -132,6 +132,7 @@ class PPOTrainer(LMTrainer):
         self.value_model.eval()
         self.dist.prepare(self.value_model, None, [])  # data-parallel: rank 0's value head everywhere
         self.kl_coef = float(cfg.kl_coef)
+        self._tokens_per_minibatch: float | None = None
         params = [{"params": self.trainable_parameters()},
                   {"params": [p for p in self.value_model.parameters() if p.requires_grad]}]
         self.optimizer = adamw(params, cfg.learning_rate, cfg.weight_decay)
@@ -167,10 +168,10 @@ class PPOTrainer(LMTrainer):
     def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
-                                           with_entropy=True)
+                                           with_entropy=True, entropy_grad=cfg.ent_coef > 0)
         # The KL to pi_ref is in the reward (``rlhf_rewards``), so the policy loss gets no reference term.
         loss_policy, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, None, mb.advantages, mask,
-                                                       settings_for(cfg, beta=0.0))
+                                                       settings_for(cfg, 0.0, self._tokens_per_minibatch))
         # Padding positions keep the rollout's value: no gradient through them (``where``).
         values = torch.where(mask, response_values(self.value_model, mb.input_ids, mb.attention_mask, R),
                              mb.values)
@@ -209,6 +210,7 @@ class PPOTrainer(LMTrainer):
         settings = UpdateSettings(algo="ppo", update_epochs=cfg.update_epochs, num_minibatches=cfg.num_minibatches,
                                   clip_coef=cfg.clip_coef, clip_vloss=True, norm_adv=False, ent_coef=cfg.ent_coef,
                                   vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
+        self._tokens_per_minibatch = max(float(b.response_mask.sum()), 1.0) / cfg.num_minibatches  # loss_type dapo
         step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm)
         with self._training_mode():
             update = ppo_epochs(b, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
@@ -224,6 +226,7 @@ class PPOTrainer(LMTrainer):
         metrics = {
             S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
             S.LM_REWARD_MEAN: float(s.raw_scores.mean()),
+            **{S.reward_term(name): float(v.mean()) for name, v in s.reward_terms.items()},
             S.KL_REF: kl_seq, S.KL_COEF: kl_coef_used,
             S.RESPONSE_LENGTH: float(mask.sum(-1).float().mean()), S.EOS_FRAC: float(s.has_eos.float().mean()),
             S.DISTINCT_FRAC: len(set(s.completions)) / len(s.completions),

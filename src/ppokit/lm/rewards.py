@@ -9,10 +9,11 @@ returned; an exception the function raises becomes a ``RewardError`` naming it t
   each completion, EOS excluded) and ``eos`` (whether it ended with the EOS token). A function is passed only the
   ``info`` keys it names, unless it takes ``**kwargs``, so ``fn(prompts, completions)`` works too;
 * a list of ``fn`` or ``(fn, weight)``: the weighted sum;
-* an ``nn.Module`` (e.g. an ``AutoModelForSequenceClassification`` with one label): called as
-  ``module(input_ids=..., attention_mask=...)`` on the prompt + completion tokens (left-padded prompt, the
-  completion through its EOS, the policy's tokenizer), under ``torch.no_grad``; its output (a tensor, or an
-  object with ``.logits``) must be ``[B]`` or ``[B, 1]``.
+* a list of ``fn`` or ``(fn, weight)``: the weighted sum; the unweighted values of each term of the last call are
+  in ``reward.last_terms`` (name -> ``[B]``), which the trainers log as ``lm/reward/<name>`` (``schema.reward_term``);
+* a reward model (``reward_models.RewardModel``): an ``AutoModelForSequenceClassification`` with one label as a
+  ``(model, tokenizer)`` pair, or alone (its tokenizer then read from the directory it was loaded from, else the
+  policy's): prompt + completion re-tokenized with its tokenizer and scored right-padded (batch-invariant).
 """
 
 from __future__ import annotations
@@ -133,44 +134,87 @@ def _callable(fn: Callable) -> RewardFn:
     return reward
 
 
-def _module(module: nn.Module) -> RewardFn:
-    who = f"model {type(module).__qualname__}"
+def _reward_model(rm: Any) -> RewardFn:
+    who = f"model {rm.name}"
 
     def reward(prompts: list[str], completions: list[str], info: dict[str, Any]) -> Tensor:
-        with torch.no_grad():
-            out = _call(module, who, input_ids=info["input_ids"], attention_mask=info["attention_mask"])
-        logits = out.logits if hasattr(out, "logits") else out
-        if not isinstance(logits, Tensor) or logits.dim() not in (1, 2) or (logits.dim() == 2 and logits.shape[1] != 1):
-            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-            raise RewardError(f"reward {who} must return [B] or [B, 1] scores, got {shape}")
-        return _as_scores(logits.reshape(-1), len(completions), who)
+        return _as_scores(_call(rm, who, prompts, completions), len(completions), who)
 
+    reward.name = rm.name
     return reward
 
 
-def make_reward(reward: Any) -> RewardFn:
-    """One ``RewardFn`` from a callable, an ``nn.Module`` or a list of callables / ``(callable, weight)`` pairs."""
+def _own_tokenizer(module: nn.Module, fallback: Any) -> Any:
+    """The tokenizer saved beside a model loaded from a local directory (``name_or_path``), else ``fallback``."""
+    from pathlib import Path
+
+    path = getattr(module, "name_or_path", None) or getattr(getattr(module, "config", None), "_name_or_path", None)
+    if path and Path(str(path)).is_dir() and any((Path(str(path)) / n).is_file()
+                                                  for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                                            "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return fallback
+
+
+def _is_pair(reward: Any) -> bool:
+    return (isinstance(reward, tuple) and len(reward) == 2 and isinstance(reward[0], nn.Module)
+            and not isinstance(reward[1], (int, float)))
+
+
+def _term_name(fn: Any, i: int, taken: set[str]) -> str:
+    """A metric-safe name for a reward term: its function's or model's name, made unique."""
+    raw = getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    base = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in str(raw)) or f"term{i}"
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def make_reward(reward: Any, tokenizer: Any = None) -> RewardFn:
+    """One ``RewardFn`` from a callable, a reward model (an ``nn.Module``, a ``(model, tokenizer)`` pair or a
+    ``RewardModel``) or a list of them / ``(item, weight)`` pairs. ``tokenizer``: the policy's, the last resort
+    for a reward model given without one."""
+    from ppokit.lm.reward_models import RewardModel
+
+    if isinstance(reward, RewardModel):
+        return _reward_model(reward)
+    if _is_pair(reward):
+        return _reward_model(RewardModel(*reward))
     if isinstance(reward, nn.Module):
-        return _module(reward)
+        own = _own_tokenizer(reward, tokenizer)
+        if own is None:
+            raise ValueError(f"reward model {type(reward).__name__}: has no tokenizer; pass reward=(model, tokenizer)")
+        return _reward_model(RewardModel(reward, own))
     if callable(reward):
         return _callable(reward)
     if isinstance(reward, Sequence) and not isinstance(reward, (str, bytes)) and len(reward) > 0:
-        parts: list[tuple[RewardFn, float]] = []
+        parts: list[tuple[str, RewardFn, float]] = []
+        taken: set[str] = set()
         for i, item in enumerate(reward):
-            fn, weight = (item if isinstance(item, tuple) and len(item) == 2 else (item, 1.0))
-            if not (callable(fn) or isinstance(fn, nn.Module)):
+            pair = isinstance(item, tuple) and len(item) == 2 and not _is_pair(item)
+            fn, weight = (item if pair else (item, 1.0))
+            if not (callable(fn) or isinstance(fn, (nn.Module, tuple))):
                 raise ValueError(f"reward[{i}] must be a callable, an nn.Module or a (callable, weight) pair, "
                                  f"got {type(item).__name__}")
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 raise ValueError(f"reward[{i}]'s weight must be a finite number, got {weight!r}")
-            parts.append((make_reward(fn), float(weight)))
+            made = make_reward(fn, tokenizer)
+            parts.append((_term_name(made if hasattr(made, "name") else fn, i, taken), made, float(weight)))
 
         def weighted(prompts: list[str], completions: list[str], info: dict[str, Any]) -> Tensor:
             total = torch.zeros(len(completions))
-            for fn, weight in parts:
-                total = total + weight * fn(prompts, completions, info)
+            terms: dict[str, Tensor] = {}
+            for name, fn, weight in parts:
+                terms[name] = fn(prompts, completions, info)
+                total = total + weight * terms[name]
+            weighted.last_terms = terms
             return total
 
+        weighted.last_terms = {}
         return weighted
     raise ValueError(f"reward must be a callable reward_fn(prompts, completions, **info), a list of them (or of "
                      f"(fn, weight) pairs) or an nn.Module reward model, got {type(reward).__name__}")

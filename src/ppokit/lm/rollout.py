@@ -5,7 +5,7 @@ Numbered as the pipeline runs (``sample``):
 1. tokenize the prompts and pad them on the LEFT, so every row's last prompt token sits at the same column and
    the response block starts at column ``P`` for all rows;
 2. sample the responses (``generation.Generator``);
-3. the response mask: through the first stop token, EOS included, decided by position (correct when pad == EOS);
+3. the response mask: through the first stop token (``SamplingSettings.stop_token_ids``), included, decided by position (correct when pad == EOS);
 4. log-probs under pi_old right after generation (the ratio's denominator), under pi_ref, and the values, all by
    one forward each with ``position_ids = cumsum(mask) - 1`` (``logprobs``);
 5. the score of each completion (``rewards``), minus ``missing_eos_penalty`` where no EOS was emitted; the
@@ -18,7 +18,7 @@ rows are completions, the token axis is the response's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -109,6 +109,7 @@ class Sampled:
     completions: list[str]
     has_eos: Tensor  # [B] bool
     raw_scores: Tensor  # [B] the reward before the missing-EOS penalty
+    reward_terms: dict[str, Tensor] = field(default_factory=dict)  # name -> [B]: each term of a weighted reward
 
 
 @torch.no_grad()
@@ -126,8 +127,9 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
     # 2. Sample.
     response_ids = generator.generate(policy, prompt_ids, prompt_mask, settings).to(device)
     # 3. Mask through the first stop token; what follows becomes padding.
-    mask = response_mask(response_ids, settings.eos_token_id)
-    has_eos = (response_ids == settings.eos_token_id).any(-1)
+    stops = torch.tensor(settings.stop_token_ids, dtype=torch.long, device=device)
+    mask = response_mask(response_ids, stops)
+    has_eos = torch.isin(response_ids, stops).any(-1)
     response_ids = torch.where(mask, response_ids, settings.pad_token_id)
     input_ids = torch.cat([prompt_ids, response_ids], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
@@ -152,4 +154,5 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
                        values=values)
     if storage is not None:
         batch = batch.to(storage)
-    return Sampled(batch, list(prompts), completions, has_eos.cpu(), raw)
+    terms = dict(getattr(reward, "last_terms", None) or {})
+    return Sampled(batch, list(prompts), completions, has_eos.cpu(), raw, terms)

@@ -11,9 +11,9 @@ rest is the model's arithmetic). The loop does only what pure sampling needs:
 2. each step: sample the next token of every row from ``softmax(logits / temperature)`` with ``torch.multinomial``
    (the full tempered distribution: no top-k, top-p or penalty, so the log-probs the ratio uses are those of the
    distribution that sampled; trl#235, trl#925), write it into a preallocated ``[B, max_new_tokens]`` block,
-   mark the rows that emitted EOS, and feed the tokens back with the next position of each row (its real-token
+   mark the rows that emitted a stop token (``SamplingSettings.stop_token_ids``), and feed the tokens back with the next position of each row (its real-token
    count, so left padding shifts nothing) and the model's cache (or ``fast_gpt2``'s preallocated one);
-3. stop as soon as every row has emitted EOS (or at ``max_new_tokens``); a finished row gets ``pad_token_id``
+3. stop as soon as every row has emitted a stop token (or at ``max_new_tokens``); a finished row gets ``pad_token_id``
    after its EOS, exactly as ``generate`` fills it, so the rollout's response masks are the same.
 
 Randomness: ``torch.multinomial`` draws from torch's global generator, which the trainers seed and checkpoint
@@ -56,7 +56,7 @@ class CachedSampler:
     """A ``Generator``: pure tempered sampling with the model's KV cache (module docstring).
 
     ``generate`` returns the response ids ``[B, R]``, ``R <= max_new_tokens`` (``R`` is the step at which the last
-    row emitted EOS); ``sample`` also returns the log-probabilities ``[B, R]`` of the sampled tokens under the
+    row emitted a stop token); ``sample`` also returns the log-probabilities ``[B, R]`` of the sampled tokens under the
     distribution that drew them (0 after a row's EOS), for checking a backend against the learner's recomputation.
     """
 
@@ -115,6 +115,7 @@ class CachedSampler:
         attention = torch.cat([prompt_mask, torch.ones((B, N), dtype=torch.long, device=device)], 1)
         next_position = prompt_mask.sum(-1, keepdim=True)  # [B, 1]: the first response token's position
         done = torch.zeros(B, dtype=torch.bool, device=device)
+        stops = torch.tensor(settings.stop_token_ids, dtype=torch.long, device=device)
         first_positions = position_ids(prompt_mask)
         fast = gpt2_decoder(model, prompt_ids, prompt_mask, first_positions, P + N) if self.fast else None
         if fast is not None:
@@ -137,7 +138,7 @@ class CachedSampler:
             if with_logprobs:
                 logp = torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
                 logp_out[:, t] = torch.where(done, 0.0, logp)
-            done |= token == settings.eos_token_id
+            done |= torch.isin(token, stops)
             steps = t + 1
             if steps == N or bool(done.all()):  # every row has ended (one host read per step, as generate's)
                 break
