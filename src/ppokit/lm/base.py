@@ -109,7 +109,7 @@ class LMTrainer(LMRunLifecycle):
         self.sampling = SamplingSettings(cfg.max_new_tokens, cfg.temperature, eos, eos if pad is None else pad)
         # The inputs against the model and the machine, before pi_ref or a critic is copied from it.
         check_tokenizer(tokenizer)
-        self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed)
+        self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed, tokenizer)
         self._check_inputs(model, ref_model)
         self.policy = model.to(self.device)
         disable_dropout(self.policy)

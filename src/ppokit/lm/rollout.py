@@ -8,7 +8,7 @@ Numbered as the pipeline runs (``sample``):
 3. the response mask: through the first stop token, EOS included, decided by position (correct when pad == EOS);
 4. log-probs under pi_old right after generation (the ratio's denominator), under pi_ref, and the values, all by
    one forward each with ``position_ids = cumsum(mask) - 1`` (``logprobs``);
-5. the score of each completion (``rewards``), minus ``missing_eos_penalty`` where no EOS was emitted; the
+5. the score of each completion (``rewards``; the prompts' extra dataset columns passed as keyword lists), minus ``missing_eos_penalty`` where no EOS was emitted; the
    trainers put it on the last real response token (the EOS when there is one: trl#1893, trl#3750 added it one
    token later).
 
@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from ppokit.lm.data import extra_columns
 from ppokit.lm.generation import Generator, SamplingSettings
 from ppokit.lm.logprobs import response_mask, token_logprobs
 
@@ -137,7 +138,8 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     raw = torch.zeros(len(prompts))
     if reward is not None:
-        info = {"completion_ids": completion_ids, "eos": has_eos.tolist(), "input_ids": input_ids,
+        # The prompts' dataset columns (data.Prompt.extra), one list each aligned with the completions (TRL's).
+        info = {**extra_columns(prompts), "completion_ids": completion_ids, "eos": has_eos.tolist(), "input_ids": input_ids,
                 "attention_mask": attention_mask}
         raw = reward(list(prompts), completions, info)
     scores = raw.clone()
