@@ -165,3 +165,15 @@ DPO_PREF_ACCURACY = _lm_metric("dpo/pref_accuracy", "DPO: fraction of the step's
 DPO_REWARD_MARGIN = _lm_metric("dpo/reward_margin", "DPO: mean implicit reward of chosen minus rejected", "rises")
 DPO_CHOSEN_REWARD = _lm_metric("dpo/chosen_reward", "DPO: mean implicit reward beta * log(pi/pi_ref) of chosen")
 DPO_REJECTED_REWARD = _lm_metric("dpo/rejected_reward", "DPO: mean implicit reward of rejected")
+SFT_NLL = _lm_metric("sft/nll", "SFT: mean negative log-likelihood per completion token (prompt tokens weigh 0)",
+                     "falls")
+RM_LOSS = _lm_metric("rm/loss", "reward model: Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), mean over "
+                     "the step's pairs", "falls")
+RM_ACCURACY = _lm_metric("rm/accuracy", "reward model: fraction of the step's pairs scored r_chosen > r_rejected "
+                         "(before the step)", "rises")
+RM_MARGIN = _lm_metric("rm/margin", "reward model: mean r_chosen - r_rejected of the step's pairs", "rises")
+RM_EVAL_ACCURACY = _lm_metric("rm/eval_accuracy", "reward model: fraction of the held-out pairs scored the right "
+                              "way after the step (NaN: none held out)", "rises towards 1")
+# The doctor judges a LM run's trends only from this many logged iterations on: below it a run is "too short to
+# judge" (a 3-iteration run has no trend to call healthy).
+LM_MIN_JUDGE_ITERATIONS = 10

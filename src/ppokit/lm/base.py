@@ -91,6 +91,7 @@ class LMTrainer(LMRunLifecycle):
     kl_knob = "kl_coef"  # the config field that weighs the KL to pi_ref (named by the KL runaway alert)
     uses_reference = True
     has_critic = False  # a value model beside the policy (PPO-RLHF's): the memory check counts it
+    model_dir = "policy"  # the run dir's save_pretrained directory of the trained model (rundir.POLICY_DIR)
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: LMConfig | None = None,
                  run_dir: str | Path | None = None, ref_model: nn.Module | None = None,
@@ -358,6 +359,8 @@ class LMTrainer(LMRunLifecycle):
         from ppokit.runtime.rundir import policy_swap_paths
 
         tmp, aside, final = policy_swap_paths(directory, uuid.uuid4().hex)
+        if self.model_dir != final.name:  # the same swap under the subclass's name (temp names claim() removes)
+            aside, final = aside.with_name(aside.name.replace(".old.", ".aside.")), directory / self.model_dir
         try:
             with _quiet_progress():  # no "Writing model shards" bar on stderr at every checkpoint
                 self.policy.save_pretrained(tmp)

@@ -29,7 +29,7 @@ from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.losses import LossSettings, get_loss
 from ppokit.lm.rollout import encode_prompts
 
-__all__ = ["DPOTrainer", "encode_pairs"]
+__all__ = ["DPOTrainer", "encode_pairs", "encode_responses"]
 
 
 def _check_pairs(pairs: Any, tokenizer: Any = None) -> list[tuple[str, str, str]]:
@@ -46,8 +46,14 @@ def encode_pairs(tokenizer: Any, pairs: list[tuple[str, str, str]], pad_id: int,
                  device: torch.device) -> tuple[Tensor, Tensor, int]:
     """``(input_ids [2N, P + R], attention_mask [2N, P + R], R)``: rows ``0..N-1`` are prompt + chosen, rows
     ``N..2N-1`` prompt + rejected; prompts left-padded, responses (their tokens + EOS) right-padded."""
-    prompts = [p for p, _, _ in pairs] * 2
-    responses = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
+    return encode_responses(tokenizer, [p for p, _, _ in pairs] * 2,
+                            [c for _, c, _ in pairs] + [r for _, _, r in pairs], pad_id, eos_id, device)
+
+
+def encode_responses(tokenizer: Any, prompts: list[str], responses: list[str], pad_id: int, eos_id: int,
+                     device: torch.device) -> tuple[Tensor, Tensor, int]:
+    """``(input_ids [N, P + R], attention_mask [N, P + R], R)``: each prompt left-padded, its response (tokens +
+    EOS) right-padded after it."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, pad_id, device)
     resp = [list(x) + [eos_id] for x in tokenizer(responses, add_special_tokens=False)["input_ids"]]
     R = max(len(r) for r in resp)

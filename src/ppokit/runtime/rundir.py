@@ -38,7 +38,7 @@ RUN_FILES = ("config.toml", "metrics.csv", "checkpoint.pt")
 # lm_run.json, trainer_state.pt, value_model.safetensors and policy/: what the language-model trainers write.
 _OUTPUT_FILES = (*RUN_FILES, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
                  "trainer_state.pt", "value_model.safetensors")
-_OUTPUT_DIRS = ("tb", "videos", "wandb", "policy")  # policy: POLICY_DIR  # videos: --capture-video; wandb: --track
+_OUTPUT_DIRS = ("tb", "videos", "wandb", "policy", "reward_model")  # policy: POLICY_DIR; reward_model: lm rm  # videos: --capture-video; wandb: --track
 # Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their policy/ directory).
 _TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
 POLICY_DIR = "policy"  # an LM run's save_pretrained directory
