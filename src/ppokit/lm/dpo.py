@@ -14,8 +14,8 @@ optimizer step, skipped (and counted) when the loss or the gradient is not finit
 from __future__ import annotations
 
 import math
-import time
 import os
+import time
 from typing import Any
 
 import torch
