@@ -74,6 +74,10 @@ KL_REF_RUNAWAY = 10.0
 ZERO_STD_FRAC = 0.5  # GRPO: half the groups or more with equal rewards (no advantage signal in them)
 KL_BLOWUP_MIN_UPDATES = 2  # KL > kl_alert on at least this many updates (or 5%) is a blow-up over a whole run
 ENTROPY_PINNED = 0.02  # entropy within 2% of its start (relative to the start) all run: the policy never moved
+# Below this many updates (Gymnasium) or iterations (LM) the doctor gives no verdict ("too short to judge"): the
+# trend compares a start window with the last quarter, which needs two or more values per quarter to be apart
+# from the start, and the live rules' patience (``reward_patience``, ``clipfrac_patience``) is 5 updates.
+MIN_UPDATES_TO_JUDGE = 8
 ENT_COEF_DOMINANT = 0.1  # an entropy bonus this large (typical 0-0.01) can pin the entropy at its start
 
 # ---------------------------------------------------------------- metric names
@@ -174,6 +178,3 @@ RM_ACCURACY = _lm_metric("rm/accuracy", "reward model: fraction of the step's pa
 RM_MARGIN = _lm_metric("rm/margin", "reward model: mean r_chosen - r_rejected of the step's pairs", "rises")
 RM_EVAL_ACCURACY = _lm_metric("rm/eval_accuracy", "reward model: fraction of the held-out pairs scored the right "
                               "way after the step (NaN: none held out)", "rises towards 1")
-# The doctor judges a LM run's trends only from this many logged iterations on: below it a run is "too short to
-# judge" (a 3-iteration run has no trend to call healthy).
-LM_MIN_JUDGE_ITERATIONS = 10

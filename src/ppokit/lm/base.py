@@ -234,11 +234,14 @@ class LMTrainer(LMRunLifecycle):
                           where="this iteration's prompts")
         self.policy.eval()
         with self._rng(rng):
-            return sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
-                          self.reward if reward else None, self.device,
-                          ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
-                          value_fn=value_fn, missing_eos_penalty=self.config.missing_eos_penalty,
-                          storage=storage)
+            out = sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
+                         self.reward if reward else None, self.device,
+                         ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
+                         value_fn=value_fn, missing_eos_penalty=self.config.missing_eos_penalty,
+                         storage=storage)
+        if rng == "train":
+            self._last_sampled = out  # the iteration's completions, for completions.jsonl (_finish)
+        return out
 
     @property
     def has_reference(self) -> bool:
@@ -299,12 +302,24 @@ class LMTrainer(LMRunLifecycle):
         self._open_logger()
         if self.logger is not None:
             self.logger.log(self.completions, metrics)
+            self._log_samples()
         for a in alerts:
             record = {"update": self.iteration, "level": a.level, "name": a.name, "message": a.message}
             self.alerts.append(record)
             if self.logger is not None:
                 self.logger.alert(self.completions, a.level, a.name, a.message, a.data)
         return metrics
+
+    def _log_samples(self) -> None:
+        """A few of the iteration's completions into completions.jsonl and TensorBoard (``samples``)."""
+        sampled, self._last_sampled = getattr(self, "_last_sampled", None), None
+        if sampled is None or self.run_dir is None:
+            return
+        from ppokit.lm.samples import append_samples, sample_rows, samples_markdown
+
+        rows = sample_rows(sampled, self.tokenizer, self.iteration)
+        append_samples(self.run_dir, rows)
+        self.logger._to_tensorboard(lambda tb: tb.text(self.completions, "samples", samples_markdown(rows)))
 
     # ---------------------------------------------------------------- save / resume
     def _extra_state(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ RUN_FILES = ("config.toml", "metrics.csv", "checkpoint.pt")
 # Everything a run writes into its directory: what --overwrite removes. Other files (the user's) are kept.
 # lm_run.json, trainer_state.pt, value_model.safetensors and policy/: what the language-model trainers write.
 _OUTPUT_FILES = (*RUN_FILES, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
-                 "trainer_state.pt", "value_model.safetensors")
+                 "trainer_state.pt", "value_model.safetensors", "completions.jsonl")
 _OUTPUT_DIRS = ("tb", "videos", "wandb", "policy", "reward_model")  # policy: POLICY_DIR; reward_model: lm rm  # videos: --capture-video; wandb: --track
 # Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their policy/ directory).
 _TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
@@ -327,6 +327,23 @@ def _trim_alerts(path: Path, global_step: int) -> int:
     return dropped
 
 
+def _trim_iterations(path: Path, update: int) -> int:
+    """Keep the JSONL rows whose ``iteration`` is at most ``update`` (a half-written line dropped)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("iteration"), int) and record["iteration"] <= update:
+            kept.append(line)
+    dropped = len([line for line in lines if line.strip()]) - len(kept)
+    if dropped:
+        _atomic_write(path, "".join(line + "\n" for line in kept))
+    return dropped
+
+
 def trim_to_checkpoint(run_dir: str | os.PathLike, update: int, global_step: int) -> list[str]:
     """Drop ``metrics.csv`` rows of updates after ``update`` and alerts after ``global_step`` (atomic rewrites).
 
@@ -339,6 +356,10 @@ def trim_to_checkpoint(run_dir: str | os.PathLike, update: int, global_step: int
         n = _trim_metrics(run_dir / "metrics.csv", update, global_step)
         if n:
             notes.append(f"resume: dropped {n} metrics.csv row(s) logged after the checkpoint (update {update})")
+    if (run_dir / "completions.jsonl").is_file():  # an LM run's sample completions (lm/samples.py)
+        n = _trim_iterations(run_dir / "completions.jsonl", update)
+        if n:
+            notes.append(f"resume: dropped {n} completions.jsonl row(s) logged after the checkpoint (update {update})")
     if (run_dir / "alerts.jsonl").is_file():
         n = _trim_alerts(run_dir / "alerts.jsonl", global_step)
         if n:
