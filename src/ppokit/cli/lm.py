@@ -92,6 +92,9 @@ def _full_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--out", metavar="DIR", default="runs/lm_demo",
                        help="directory for the plot and the PPO/GRPO run directories (default: runs/lm_demo)")
         p.add_argument("--quiet", action="store_true", help="print only the summary")
+        p.add_argument("--rlhf", action="store_true",
+                       help="also run the InstructGPT chain: a reward model trained on SFT preference pairs, then "
+                            "PPO against it (about as long again)")
         return p
     p.add_argument("--model", metavar="DIR", help="model directory (from_pretrained; no download); required, "
                                                   "except with --resume (default: the run's)")
@@ -241,9 +244,9 @@ def load_rows(flag: str, path: str) -> list:
     from ppokit.lm.data import read_rows
 
     try:
-        rows = read_rows(path, "data")
+        rows = read_rows(path, flag)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:
-        raise InputError(f"--{flag} {path}: {_first_line(exc).removeprefix('data: ')}") from None
+        raise InputError(f"--{flag} {path}: {_first_line(exc).removeprefix(flag + ': ')}") from None
     if not rows:
         raise InputError(f"--{flag} {path}: no rows in the file")
     return rows
@@ -288,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
         if command == "demo":
             from ppokit.lm.demo import run_demo
 
-            run_demo(seed=full.seed, json_path=full.json, out_dir=full.out, quiet=full.quiet)
+            run_demo(seed=full.seed, json_path=full.json, out_dir=full.out, quiet=full.quiet,
+                     stages=("ppo", "grpo", "dpo", *(("rlhf",) if full.rlhf else ())))
             return 0
         return _train(command, full)
     except (InputError, ConfigError, RunDirError, CheckpointError) as exc:
@@ -422,7 +426,8 @@ def _train(command: str, full: argparse.Namespace) -> int:
     except PromptError as exc:
         raise InputError(f"--{data_flag} {inputs[data_flag]}: {_first_line(exc)}") from None
     except ValueError as exc:  # ConfigError (max_new_tokens, memory) and bad rows included: each names its field
-        raise InputError(_first_line(exc)) from None
+        text = _first_line(exc)
+        raise InputError("--" + text if text.startswith(f"{data_flag} {inputs[data_flag]} ") else text) from None
     # Recorded in lm_run.json, so that --resume needs only the reward again; paths absolute (the cwd may change).
     trainer.run_info = {**inputs, **{k: str(Path(inputs[k]).resolve()) for k in ("model", "pairs", "prompts",
                                                                                  "data") if k in inputs}}
@@ -437,8 +442,8 @@ def _train(command: str, full: argparse.Namespace) -> int:
             before = trainer.preference_accuracy(trainer.pairs, implicit=True)
             trainer.train(total - trainer.iteration)
             after = trainer.preference_accuracy(trainer.pairs, implicit=True)
-            summary = (f"implicit-reward accuracy {before:.3f} -> {after:.3f} on the {len(trainer.pairs)} pairs "
-                       "(beta log pi/pi_ref, chosen over rejected)")
+            summary = (f"preference accuracy {before:.3f} -> {after:.3f} on the {len(trainer.pairs)} pairs (DPO's "
+                       "implicit reward beta log pi/pi_ref, chosen over rejected)")
         elif command == "sft":
             nll = [m[S.SFT_NLL] for m in trainer.train(total - trainer.iteration)]
             summary = f"completion NLL {nll[0]:.4g} (first step) -> {nll[-1]:.4g} (last)" if nll else "no step"

@@ -87,7 +87,7 @@ def read_rows(source: Any, where: str = "data") -> list[Any]:
                 else:
                     rows.append(line.rstrip("\r\n"))
         if not rows:
-            raise ValueError(f"{where}: {path} holds no rows")
+            raise ValueError(f"{where}: {path} holds no {where.split()[0]}")
         return rows
     if hasattr(source, "column_names") or type(source).__name__ == "DatasetDict":
         return _from_dataset(source, where)
