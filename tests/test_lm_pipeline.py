@@ -217,6 +217,10 @@ def test_completions_jsonl_rows_and_trim_on_resume(tmp_path):
     assert [x["iteration"] for x in rows2].count(3) == len([x for x in rows if x["iteration"] == 3])
     assert all(x["completion"] != "stale" for x in rows2)
     assert rows2 == rows  # the resumed run's rows are the unbroken run's
+    from ppokit.analysis.report import build_report
+
+    page = build_report(run2)
+    assert 'id="completions"' in page and f"<code>{rows[-1]['prompt']}</code>" in page
 
 
 def test_doctor_too_short_threshold_is_the_schemas():

@@ -13,10 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ppokit.runtime.rundir import COMPLETIONS_FILE
+
 __all__ = ["COMPLETIONS_FILE", "SAMPLES_PER_ITERATION", "sample_rows", "append_samples", "read_samples",
            "samples_markdown"]
 
-COMPLETIONS_FILE = "completions.jsonl"
 SAMPLES_PER_ITERATION = 4  # rows a sampling iteration writes (its first completions: every prompt group's first)
 
 

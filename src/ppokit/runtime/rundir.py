@@ -35,9 +35,10 @@ LOCK_NAME = ".lock"
 # A directory holding any of these holds a run; starting a fresh one there would mix the two.
 RUN_FILES = ("config.toml", "metrics.csv", "checkpoint.pt")
 # Everything a run writes into its directory: what --overwrite removes. Other files (the user's) are kept.
+COMPLETIONS_FILE = "completions.jsonl"  # an LM run's sample completions (ppokit.lm.samples)
 # lm_run.json, trainer_state.pt, value_model.safetensors and policy/: what the language-model trainers write.
 _OUTPUT_FILES = (*RUN_FILES, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
-                 "trainer_state.pt", "value_model.safetensors", "completions.jsonl")
+                 "trainer_state.pt", "value_model.safetensors", COMPLETIONS_FILE)
 _OUTPUT_DIRS = ("tb", "videos", "wandb", "policy", "reward_model")  # policy: POLICY_DIR; reward_model: lm rm  # videos: --capture-video; wandb: --track
 # Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their policy/ directory).
 _TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
@@ -356,8 +357,8 @@ def trim_to_checkpoint(run_dir: str | os.PathLike, update: int, global_step: int
         n = _trim_metrics(run_dir / "metrics.csv", update, global_step)
         if n:
             notes.append(f"resume: dropped {n} metrics.csv row(s) logged after the checkpoint (update {update})")
-    if (run_dir / "completions.jsonl").is_file():  # an LM run's sample completions (lm/samples.py)
-        n = _trim_iterations(run_dir / "completions.jsonl", update)
+    if (run_dir / COMPLETIONS_FILE).is_file():
+        n = _trim_iterations(run_dir / COMPLETIONS_FILE, update)
         if n:
             notes.append(f"resume: dropped {n} completions.jsonl row(s) logged after the checkpoint (update {update})")
     if (run_dir / "alerts.jsonl").is_file():
