@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 __all__ = ["Prompt", "RESERVED_COLUMNS", "read_rows", "to_prompt", "to_pair", "to_sft_example", "extra_columns",
-           "is_dataset_dir"]
+           "is_dataset_dir", "numbered_rows"]
 
 # The keyword arguments the rollout itself gives a reward function (rollout.sample): a column may not shadow them.
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "eos", "input_ids", "attention_mask")
@@ -142,37 +142,52 @@ def _response(tokenizer: Any, prompt_value: Any, prompt_text: str, value: Any, w
     return "".join(m["content"] for m in msgs)  # a template that renders a prefix differently: the contents
 
 
-def _row(row: Any, i: int, where: str) -> dict:
+def label(i: Any) -> str:
+    """How a message names a row: ``row 3`` for an index, or the label ``numbered_rows`` gave (``line 4``)."""
+    return i if isinstance(i, str) else f"row {i}"
+
+
+def numbered_rows(source: Any, where: str = "data") -> list[tuple[str, Any]]:
+    """``read_rows`` with each row's label for messages: ``line N`` in a JSONL/text file, ``row i`` otherwise."""
+    rows = read_rows(source, where)
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_file():
+        with open(source, encoding="utf-8") as f:
+            lines = [n for n, line in enumerate(f, 1) if line.strip()]
+        return [(f"line {n}", row) for n, row in zip(lines, rows)]
+    return [(f"row {i}", row) for i, row in enumerate(rows)]
+
+
+def _row(row: Any, i: int | str, where: str) -> dict:
     if not isinstance(row, dict):
-        raise ValueError(f"{where} row {i}: must be an object (a dict / JSON object), got {type(row).__name__}")
+        raise ValueError(f"{where} {label(i)}: must be an object (a dict / JSON object), got {type(row).__name__}")
     return row
 
 
-def to_prompt(row: Any, i: int, tokenizer: Any, where: str = "prompts", columns: Sequence[str] | None = None) -> str:
+def to_prompt(row: Any, i: int | str, tokenizer: Any, where: str = "prompts", columns: Sequence[str] | None = None) -> str:
     """Row ``i`` as a prompt: a string stays one; a ``{"prompt": ..., **columns}`` row becomes a ``Prompt`` with
     the other columns in ``extra``. ``columns``: the extra columns every row must have (the first row's)."""
     if isinstance(row, str):
         if columns:
-            raise ValueError(f"{where} row {i}: a plain string, but the rows before it have columns "
+            raise ValueError(f"{where} {label(i)}: a plain string, but the rows before it have columns "
                              f"{', '.join(columns)}")
         return row
     row = _row(row, i, where)
     if "prompt" not in row:
-        raise ValueError(f"{where} row {i}: has no \"prompt\" column (columns: {', '.join(map(str, row)) or 'none'})")
-    text = _text(tokenizer, row["prompt"], f"{where} row {i} column prompt")
+        raise ValueError(f"{where} {label(i)}: has no \"prompt\" column (columns: {', '.join(map(str, row)) or 'none'})")
+    text = _text(tokenizer, row["prompt"], f"{where} {label(i)} column prompt")
     extra = {k: v for k, v in row.items() if k != "prompt"}
     for k in extra:
         if k in RESERVED_COLUMNS:
-            raise ValueError(f"{where} row {i} column {k}: the name is one the rollout passes to the reward "
+            raise ValueError(f"{where} {label(i)} column {k}: the name is one the rollout passes to the reward "
                              "itself; rename the column")
     if columns is not None and sorted(extra) != sorted(columns):
         missing = sorted(set(columns) - set(extra)) or sorted(set(extra) - set(columns))
-        raise ValueError(f"{where} row {i} column {missing[0]}: the rows do not share their columns (row 0 has "
+        raise ValueError(f"{where} {label(i)} column {missing[0]}: the rows do not share their columns (row 0 has "
                          f"{', '.join(columns) or 'only prompt'})")
     return Prompt(text, extra)
 
 
-def to_pair(row: Any, i: int, tokenizer: Any, where: str = "pairs") -> tuple[str, str, str]:
+def to_pair(row: Any, i: int | str, tokenizer: Any, where: str = "pairs") -> tuple[str, str, str]:
     """Row ``i`` as ``(prompt, chosen, rejected)`` text: a triple, or a dict with those columns, each a string or
     conversational."""
     if isinstance(row, (tuple, list)) and len(row) == 3:
@@ -180,30 +195,30 @@ def to_pair(row: Any, i: int, tokenizer: Any, where: str = "pairs") -> tuple[str
     row = _row(row, i, where)
     for k in ("prompt", "chosen", "rejected"):
         if k not in row:
-            raise ValueError(f"{where} row {i}: has no \"{k}\" column (a pair needs prompt, chosen and rejected)")
-    prompt = _text(tokenizer, row["prompt"], f"{where} row {i} column prompt")
+            raise ValueError(f"{where} {label(i)}: has no \"{k}\" column (a pair needs prompt, chosen and rejected)")
+    prompt = _text(tokenizer, row["prompt"], f"{where} {label(i)} column prompt")
     return (prompt,
-            _response(tokenizer, row["prompt"], prompt, row["chosen"], f"{where} row {i} column chosen"),
-            _response(tokenizer, row["prompt"], prompt, row["rejected"], f"{where} row {i} column rejected"))
+            _response(tokenizer, row["prompt"], prompt, row["chosen"], f"{where} {label(i)} column chosen"),
+            _response(tokenizer, row["prompt"], prompt, row["rejected"], f"{where} {label(i)} column rejected"))
 
 
-def to_sft_example(row: Any, i: int, tokenizer: Any, where: str = "data") -> tuple[str, str]:
+def to_sft_example(row: Any, i: int | str, tokenizer: Any, where: str = "data") -> tuple[str, str]:
     """Row ``i`` as ``(prompt, completion)`` text: ``{"prompt", "completion"}`` (strings or conversational), or
     ``{"messages": [...]}`` whose last message is the completion (the assistant's turn) and the rest its prompt."""
     row = _row(row, i, where)
     if "messages" in row and "prompt" not in row:
-        msgs = _messages(row["messages"], f"{where} row {i} column messages")
+        msgs = _messages(row["messages"], f"{where} {label(i)} column messages")
         if msgs is None or len(msgs) < 2:
-            raise ValueError(f"{where} row {i} column messages: needs at least two messages (a prompt and the "
+            raise ValueError(f"{where} {label(i)} column messages: needs at least two messages (a prompt and the "
                              "completion to learn)")
-        prompt = _template(tokenizer, msgs[:-1], f"{where} row {i} column messages", generation_prompt=True)
-        return prompt, _response(tokenizer, msgs[:-1], prompt, msgs[-1:], f"{where} row {i} column messages")
+        prompt = _template(tokenizer, msgs[:-1], f"{where} {label(i)} column messages", generation_prompt=True)
+        return prompt, _response(tokenizer, msgs[:-1], prompt, msgs[-1:], f"{where} {label(i)} column messages")
     for k in ("prompt", "completion"):
         if k not in row:
-            raise ValueError(f"{where} row {i}: has no \"{k}\" column (an SFT row is prompt + completion, or "
+            raise ValueError(f"{where} {label(i)}: has no \"{k}\" column (an SFT row is prompt + completion, or "
                              "messages)")
-    prompt = _text(tokenizer, row["prompt"], f"{where} row {i} column prompt")
-    return prompt, _response(tokenizer, row["prompt"], prompt, row["completion"], f"{where} row {i} column completion")
+    prompt = _text(tokenizer, row["prompt"], f"{where} {label(i)} column prompt")
+    return prompt, _response(tokenizer, row["prompt"], prompt, row["completion"], f"{where} {label(i)} column completion")
 
 
 def extra_columns(prompts: Sequence[str]) -> dict[str, list[Any]]:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ppokit.core import schema as S
 from ppokit.lm.base import LMTrainer
 from ppokit.lm.checks import check_pairs_context
-from ppokit.lm.data import read_rows, to_pair
+from ppokit.lm.data import numbered_rows, to_pair
 from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.losses import LossSettings, get_loss
 from ppokit.lm.rollout import encode_prompts
@@ -36,10 +36,10 @@ def _check_pairs(pairs: Any, tokenizer: Any = None) -> list[tuple[str, str, str]
     """``(prompt, chosen, rejected)`` text triples from a list of triples or rows, a ``datasets.Dataset``, a
     ``save_to_disk`` directory or a JSONL file, each column a string or conversational (``data.to_pair``)."""
     where = f"pairs {pairs}" if isinstance(pairs, (str, os.PathLike)) else "pairs"
-    rows = read_rows(pairs, where)
+    rows = numbered_rows(pairs, where)
     if not rows:
         raise ValueError("pairs must be a non-empty list of (prompt, chosen, rejected) string triples")
-    return [to_pair(row, i, tokenizer, where) for i, row in enumerate(rows)]
+    return [to_pair(row, n, tokenizer, where) for n, row in rows]
 
 
 def encode_pairs(tokenizer: Any, pairs: list[tuple[str, str, str]], pad_id: int, eos_id: int,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ppokit.lm.data import read_rows, to_prompt
+from ppokit.lm.data import numbered_rows, to_prompt
 
 __all__ = ["load_prompts", "PromptSource"]
 
@@ -62,12 +62,14 @@ class PromptSource:
         self._iter: Iterator[str] | None = None
         self._tokenizer = tokenizer
         self._columns: list[str] | None = None
+        self._labels: list[str] | None = None  # "line N" of a file's rows, for messages
         where = "prompts"
         if isinstance(prompts, (str, os.PathLike)):
             where = f"prompts {prompts}"
         if isinstance(prompts, (str, os.PathLike)) or hasattr(prompts, "column_names") \
                 or type(prompts).__name__ == "DatasetDict":
-            prompts = read_rows(prompts, "prompts")
+            numbered = numbered_rows(prompts, "prompts")
+            prompts, self._labels = [r for _, r in numbered], [n for n, _ in numbered]
         self._where = where
         if isinstance(prompts, (list, tuple)):
             self.items: list[str] | None = [self._check(p, i) for i, p in enumerate(prompts)]
@@ -88,7 +90,8 @@ class PromptSource:
         if not isinstance(p, (str, dict)):
             raise ValueError(f"prompts[{i}] must be a string or a row with a \"prompt\" column, got "
                              f"{type(p).__name__}")
-        out = to_prompt(p, i, self._tokenizer, self._where, self._columns)
+        at = self._labels[i] if self._labels is not None and i < len(self._labels) else i
+        out = to_prompt(p, at, self._tokenizer, self._where, self._columns)
         if self._columns is None:
             self._columns = list(getattr(out, "extra", {}))
         return out

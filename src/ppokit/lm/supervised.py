@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from ppokit.core import schema as S
 from ppokit.lm.base import LMTrainer, _quiet_progress, adamw
 from ppokit.lm.checks import check_pairs_context
-from ppokit.lm.data import read_rows, to_pair, to_sft_example
+from ppokit.lm.data import numbered_rows, read_rows, to_pair, to_sft_example
 from ppokit.lm.dpo import encode_responses
 from ppokit.lm.logprobs import token_logprobs
 
@@ -106,7 +106,7 @@ class SFTTrainer(_RowTrainer):
     def __init__(self, model: nn.Module, tokenizer: Any, data: Any, config=None, run_dir=None, *,
                  overwrite: bool = False):
         where = _where(data, "data")
-        self._init_rows([to_sft_example(row, i, tokenizer, where) for i, row in enumerate(read_rows(data, where))])
+        self._init_rows([to_sft_example(row, n, tokenizer, where) for n, row in numbered_rows(data, where)])
         if not self.rows:
             raise ValueError(f"{where}: no rows")
         super().__init__(model, tokenizer, config, run_dir)
@@ -189,7 +189,7 @@ class RewardModelTrainer(_RowTrainer):
     def __init__(self, model: nn.Module, tokenizer: Any, pairs: Any, config=None, run_dir=None, *,
                  eval_pairs: Any = None, eval_frac: float = 0.1, overwrite: bool = False):
         where = _where(pairs, "pairs")
-        rows = [to_pair(row, i, tokenizer, where) for i, row in enumerate(read_rows(pairs, where))]
+        rows = [to_pair(row, n, tokenizer, where) for n, row in numbered_rows(pairs, where)]
         if not rows:
             raise ValueError(f"{where}: no pairs")
         if not (isinstance(eval_frac, (int, float)) and 0 <= eval_frac < 1):
@@ -199,7 +199,7 @@ class RewardModelTrainer(_RowTrainer):
         cfg = (config if config is not None else LMConfig()).validate()
         if eval_pairs is not None:
             ew = _where(eval_pairs, "eval_pairs")
-            held = [to_pair(row, i, tokenizer, ew) for i, row in enumerate(read_rows(eval_pairs, ew))]
+            held = [to_pair(row, n, tokenizer, ew) for n, row in numbered_rows(eval_pairs, ew)]
         else:
             k = min(len(rows) - 1, math.ceil(eval_frac * len(rows))) if eval_frac > 0 else 0
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed + 2)).tolist()
