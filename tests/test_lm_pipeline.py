@@ -181,7 +181,7 @@ def test_cli_sft_then_rm(tmp_path, monkeypatch, capsys):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "a:", "chosen": 3, "rejected": "b"}) + "\n")
     assert main(["lm", "rm", "--model", "model", "--pairs", "bad.jsonl", "--run-dir", "b", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "bad.jsonl row 0 column chosen" in err[0]
+    assert len(err) == 1 and "--pairs bad.jsonl line 1 column chosen" in err[0]
 
 
 def test_completions_jsonl_rows_and_trim_on_resume(tmp_path):
