@@ -228,3 +228,20 @@ def test_doctor_too_short_threshold_is_the_schemas():
     from ppokit.core import schema as S
 
     assert diagnosis.MIN_UPDATES_TO_JUDGE == S.MIN_UPDATES_TO_JUDGE
+
+
+def test_completions_jsonl_has_one_field_per_reward_function(tmp_path):
+    def count_a(prompts, completions):
+        return [float(c.count("a")) for c in completions]
+
+    def length(prompts, completions):
+        return [float(len(c)) for c in completions]
+
+    model, tok = build_tiny("ab:", seed=0)
+    trainer = GRPOTrainer(model, tok, reward=[(count_a, 2.0), (length, 0.5)], prompts=["a:", "b:"],
+                          config=grpo_config(), run_dir=tmp_path / "run")
+    trainer.train(1)
+    trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["reward"] == pytest.approx(2.0 * r["count_a"] + 0.5 * r["length"])

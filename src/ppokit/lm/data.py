@@ -24,7 +24,8 @@ __all__ = ["Prompt", "RESERVED_COLUMNS", "read_rows", "to_prompt", "to_pair", "t
            "is_dataset_dir", "numbered_rows"]
 
 # The keyword arguments the rollout itself gives a reward function (rollout.sample): a column may not shadow them.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "eos", "input_ids", "attention_mask")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "eos", "input_ids", "attention_mask",
+                    "reward_parts")
 # What ``save_to_disk`` writes at the top of a Dataset's (state.json) or a DatasetDict's directory.
 _DATASET_MARKERS = ("state.json", "dataset_dict.json")
 

@@ -148,6 +148,15 @@ def _module(module: nn.Module) -> RewardFn:
     return reward
 
 
+REWARD_PARTS = "reward_parts"  # the info entry where a weighted list leaves each function's scores
+
+
+def _short_name(fn: Any, i: int) -> str:
+    """A column name for a reward function: its ``__name__`` (a model's class name), ``reward_<i>`` otherwise."""
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return f"reward_{i}" if name == "<lambda>" else str(name)
+
+
 def make_reward(reward: Any) -> RewardFn:
     """One ``RewardFn`` from a callable, an ``nn.Module`` or a list of callables / ``(callable, weight)`` pairs."""
     if isinstance(reward, nn.Module):
@@ -163,12 +172,18 @@ def make_reward(reward: Any) -> RewardFn:
                                  f"got {type(item).__name__}")
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 raise ValueError(f"reward[{i}]'s weight must be a finite number, got {weight!r}")
-            parts.append((make_reward(fn), float(weight)))
+            name = _short_name(fn, i)
+            parts.append((make_reward(fn), float(weight), name if name not in {p[2] for p in parts} else
+                          f"{name}_{i}"))
 
         def weighted(prompts: list[str], completions: list[str], info: dict[str, Any]) -> Tensor:
-            total = torch.zeros(len(completions))
-            for fn, weight in parts:
-                total = total + weight * fn(prompts, completions, info)
+            total, own = torch.zeros(len(completions)), {}
+            for fn, weight, name in parts:
+                own[name] = scores = fn(prompts, completions, info)
+                total = total + weight * scores
+            # Each function's own scores, for completions.jsonl's per-function fields (rollout.Sampled); set after
+            # the calls, so no reward function is passed them.
+            info[REWARD_PARTS] = own
             return total
 
         return weighted

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from ppokit.lm.data import extra_columns
 from ppokit.lm.generation import Generator, SamplingSettings
 from ppokit.lm.logprobs import response_mask, token_logprobs
+from ppokit.lm.rewards import REWARD_PARTS
 
 __all__ = ["TokenBatch", "encode_prompts", "sample", "last_token_index", "place_scores"]
 
@@ -105,6 +106,7 @@ class Sampled:
     completions: list[str]
     has_eos: Tensor  # [B] bool
     raw_scores: Tensor  # [B] the reward before the missing-EOS penalty
+    reward_parts: dict[str, Tensor] | None = None  # a weighted list's functions' own [B] scores, by name
 
 
 @torch.no_grad()
@@ -137,6 +139,7 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
     completion_ids = [row[:n] for row, n in zip(response_ids.tolist(), lengths.tolist())]  # one host read
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     raw = torch.zeros(len(prompts))
+    info: dict[str, Any] = {}
     if reward is not None:
         # The prompts' dataset columns (data.Prompt.extra), one list each aligned with the completions (TRL's).
         info = {**extra_columns(prompts), "completion_ids": completion_ids, "eos": has_eos.tolist(), "input_ids": input_ids,
@@ -149,4 +152,4 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
                        values=values)
     if storage is not None:
         batch = batch.to(storage)
-    return Sampled(batch, list(prompts), completions, has_eos.cpu(), raw)
+    return Sampled(batch, list(prompts), completions, has_eos.cpu(), raw, info.get(REWARD_PARTS))

@@ -2,7 +2,8 @@
 
 Reward hacking shows in the text long before the curves give it away, so every iteration that samples writes
 ``SAMPLES_PER_ITERATION`` rows: ``iteration``, ``prompt``, ``completion`` (decoded with special tokens kept, so an
-EOS, or its absence, is visible) and ``reward`` (before the missing-EOS penalty). The file is appended one line a
+EOS, or its absence, is visible) and ``reward`` (before the missing-EOS penalty), and one field per function when the reward is a weighted list of them
+(named by the function). The file is appended one line a
 row and trimmed to the checkpoint on resume like ``metrics.csv`` (``runtime.rundir.trim_to_checkpoint``);
 ``ppokit report`` shows the last rows as a table (``read_samples``).
 """
@@ -32,7 +33,8 @@ def sample_rows(sampled: Any, tokenizer: Any, iteration: int, k: int = SAMPLES_P
         ids = response[i][b.response_mask[i]].tolist()
         out.append({"iteration": int(iteration), "prompt": str(sampled.prompts[i]),
                     "completion": tokenizer.decode(ids, skip_special_tokens=False),
-                    "reward": float(sampled.raw_scores[i])})
+                    "reward": float(sampled.raw_scores[i]),
+                    **{name: float(v[i]) for name, v in (getattr(sampled, "reward_parts", None) or {}).items()}})
     return out
 
 
