@@ -245,3 +245,31 @@ def test_completions_jsonl_has_one_field_per_reward_function(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     for r in rows:
         assert r["reward"] == pytest.approx(2.0 * r["count_a"] + 0.5 * r["length"])
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm"])
+def test_sft_and_rm_resume_as_if_unbroken(tmp_path, kind):
+    def build(run_dir):
+        model, tok = build_tiny("ab:", seed=0)
+        cfg = LMConfig(batch_prompts=4, learning_rate=3e-3, save_every=2, **QUIET)
+        if kind == "sft":
+            rows = [{"prompt": p, "completion": "ab"} for p in ("a:", "b:", "ab:")]
+            return SFTTrainer(model, tok, rows, config=cfg, run_dir=run_dir), (model, tok, {"data": rows})
+        return (RewardModelTrainer(model, tok, separable_pairs(12), config=cfg, run_dir=run_dir),
+                (model, tok, {"pairs": separable_pairs(12)}))
+
+    whole, _ = build(tmp_path / "whole")
+    want = whole.train(4)
+    whole.close()
+    part, _ = build(tmp_path / "part")
+    part.train(2)
+    part.close()
+    _, (model, tok, data) = build(None)
+    cls = SFTTrainer if kind == "sft" else RewardModelTrainer
+    resumed = cls.resume(tmp_path / "part", model, tok, **data)
+    got = resumed.train(2)
+    resumed.close()
+    key = "sft/nll" if kind == "sft" else "rm/loss"
+    assert [m[key] for m in got] == [m[key] for m in want[2:]]
+    for (n, a), (_, b) in zip(whole.policy.state_dict().items(), resumed.policy.state_dict().items()):
+        assert torch.equal(a, b), n
