@@ -19,7 +19,7 @@ pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
 import torch  # noqa: E402
 
 from ppokit.core import schema as S  # noqa: E402
-from ppokit.lm import DPOTrainer, GRPOTrainer, LMConfig, PPOTrainer  # noqa: E402
+from ppokit.lm import DPOTrainer, GRPOTrainer, LMConfig, PPOTrainer, RewardModelTrainer, SFTTrainer  # noqa: E402
 from ppokit.lm.generation import HFGenerator, SamplingSettings  # noqa: E402
 from ppokit.lm.logprobs import position_ids, response_mask, token_logprobs  # noqa: E402
 from ppokit.lm.rollout import encode_prompts  # noqa: E402
@@ -305,6 +305,10 @@ def test_every_lm_metric_name_is_logged_by_some_trainer(base):
                           config=LMConfig(**FAST)).step())
     logged |= set(DPOTrainer(copy.deepcopy(base[0]), base[1], pairs=[("X:", "X", "A")],
                              config=LMConfig(batch_prompts=1)).step())
+    logged |= set(SFTTrainer(copy.deepcopy(base[0]), base[1], [{"prompt": "X:", "completion": "X"}],
+                             config=LMConfig(batch_prompts=1)).step())
+    logged |= set(RewardModelTrainer(copy.deepcopy(base[0]), base[1], [("X:", "X", "A"), ("A:", "X", "A")],
+                                     config=LMConfig(batch_prompts=1)).step())
     assert set(S.LM_METRICS) <= logged
     assert {n for n in logged if not n.startswith("perf/")} <= set(S.METRICS)
 

@@ -14,10 +14,7 @@ from ppokit.core import schema as S
 __all__ = ["MIN_UPDATES_TO_JUDGE", "Finding", "Diagnosis", "RunData", "healthy_note", "checkpoint_finding",
            "too_short"]
 
-# Below this many updates (Gymnasium) or iterations (LM) the doctor gives no verdict ("too short to judge"): the
-# trend compares a start window with the last quarter, which needs two or more values per quarter to be apart
-# from the start, and the live rules' patience (``reward_patience``, ``clipfrac_patience``) is 5 updates.
-MIN_UPDATES_TO_JUDGE = 8
+MIN_UPDATES_TO_JUDGE = S.MIN_UPDATES_TO_JUDGE  # the schema's threshold (defined there, once)
 
 
 @dataclass

@@ -130,6 +130,28 @@ def _clean_alerts(alerts: list) -> list[dict]:
     return clean
 
 
+REPORT_SAMPLES = 12  # the last rows of completions.jsonl the report shows
+
+
+def _samples_section(run_dir: Path) -> list[str]:
+    """A LM run's last sample completions (``completions.jsonl``) as a table: reward hacking shows in the text."""
+    from ppokit.lm.samples import read_samples
+
+    rows = read_samples(run_dir, last=REPORT_SAMPLES)
+    out = ['<h2 id="completions">Sample completions (completions.jsonl)</h2>']
+    if not rows:
+        return out + ["<p>No completions were recorded (a DPO, SFT or reward-model run samples none).</p>"]
+    keys = [k for k in rows[0] if k not in ("iteration", "prompt", "completion")]
+    out.append("<table><tr><th>iteration</th><th>prompt</th><th>completion</th>"
+               + "".join(f"<th>{_esc(k)}</th>" for k in keys) + "</tr>")
+    for r in rows:
+        cells = "".join(f"<td>{_esc(r.get(k))}</td>" for k in keys)
+        out.append(f"<tr><td>{_esc(r.get('iteration'))}</td><td><code>{_esc(r.get('prompt'))}</code></td>"
+                   f"<td><code>{_esc(r.get('completion'))}</code></td>{cells}</tr>")
+    out.append("</table>")
+    return out
+
+
 def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str:
     """The report of ``run_dir`` as one HTML string (no scripts, no external resources)."""
     run = load_run(run_dir)
@@ -183,6 +205,9 @@ def build_report(run_dir: str | Path, diagnosis: Diagnosis | None = None) -> str
         parts.append(f'<figure class="plot" id="plot-{slug}"><img alt="{_esc(title)}" '
                      f'src="data:image/png;base64,{img}"><figcaption>{_esc(title)} ({_esc(column)})</figcaption></figure>')
     parts.append("</div>")
+
+    if lm:
+        parts += _samples_section(run.run_dir)
 
     # Alerts
     parts.append('<h2 id="alerts">Alerts</h2>')

@@ -1,4 +1,5 @@
-"""``ppokit lm ppo|grpo|dpo|demo``: train a local Hugging Face causal LM with PPO-RLHF, GRPO or DPO.
+"""``ppokit lm ppo|grpo|dpo|sft|rm|demo``: train a local Hugging Face causal LM with PPO-RLHF, GRPO, DPO or SFT,
+or a reward model from it.
 
 ``ppokit lm grpo --model DIR --reward mymod:fn --prompts prompts.jsonl`` reads any directory ``from_pretrained``
 reads (nothing is downloaded), imports the reward function from the current directory (the user typed its name),
@@ -21,7 +22,9 @@ RUN_FILES = ("metrics.csv", "lm_run.json", "trainer_state.pt")  # what an LM tra
 # AutoTokenizer builds an empty tokenizer from config.json alone, and every prompt encodes to no tokens.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt",
                    "spiece.model")
-ALGOS = ("ppo", "grpo", "dpo")
+ALGOS = ("ppo", "grpo", "dpo", "sft", "rm")
+# The data flags each command reads (the others read --reward and --prompts).
+DATA_FLAGS = {"dpo": ("pairs",), "rm": ("pairs",), "sft": ("data",)}
 DEFAULT_ITERATIONS = 20
 
 
@@ -48,6 +51,8 @@ def add_parser(sub) -> None:
     helps = {"ppo": "PPO-RLHF: per-token KL to pi_ref in the reward, a value model, GAE over response tokens",
              "grpo": "GRPO: G completions per prompt, group-normalised advantages, no critic",
              "dpo": "DPO: preference pairs (prompt, chosen, rejected), no reward function, no sampling",
+             "sft": "SFT: supervised fine-tuning on prompt/completion (or conversational) rows, completion loss only",
+             "rm": "reward model: Bradley-Terry on preference pairs, saved to RUN_DIR/reward_model",
              "demo": "the self-contained CPU demo: SFT a tiny GPT-2, then PPO, GRPO and DPO (under a minute)"}
     for name, text in helps.items():
         q = lm_sub.add_parser(name, help=text, add_help=False)
@@ -87,12 +92,23 @@ def _full_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--out", metavar="DIR", default="runs/lm_demo",
                        help="directory for the plot and the PPO/GRPO run directories (default: runs/lm_demo)")
         p.add_argument("--quiet", action="store_true", help="print only the summary")
+        p.add_argument("--rlhf", action="store_true",
+                       help="also run the InstructGPT chain: a reward model trained on SFT preference pairs, then "
+                            "PPO against it (about as long again)")
         return p
     p.add_argument("--model", metavar="DIR", help="model directory (from_pretrained; no download); required, "
                                                   "except with --resume (default: the run's)")
-    if command == "dpo":
+    if command in ("dpo", "rm"):
         p.add_argument("--pairs", metavar="FILE", help='JSONL of {"prompt": ..., "chosen": ..., "rejected": ...} '
-                                                       "preference pairs; required, except with --resume")
+                                                       "preference pairs (strings or chat messages), or a "
+                                                       "save_to_disk directory; required, except with --resume")
+        if command == "rm":
+            p.add_argument("--eval-frac", type=float, default=0.1,
+                           help="share of the pairs held out for the logged accuracy (default: 0.1)")
+    elif command == "sft":
+        p.add_argument("--data", metavar="FILE", help='JSONL of {"prompt": ..., "completion": ...} or {"messages": '
+                                                      "[...]} rows, or a save_to_disk directory; required, except "
+                                                      "with --resume")
     else:
         p.add_argument("--reward", metavar="MODULE:FUNCTION", action="append",
                        help="reward_fn(prompts, completions, **info) -> list[float], imported from the current "
@@ -104,8 +120,10 @@ def _full_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--reward-weights", metavar="W1,W2,...",
                        help="one weight per --reward, then per --reward-model, in order (default: all 1); the "
                             "score is the weighted sum, each term logged as lm/reward/<name>")
-        p.add_argument("--prompts", metavar="FILE", help='prompts: a JSONL file ({"prompt": ...} per line) or a '
-                                                         "text file (one per line); required, except with --resume")
+        p.add_argument("--prompts", metavar="FILE", help='prompts: a JSONL file ({"prompt": ...} per line; a prompt '
+                                                         "may be chat messages, other fields reach the reward as "
+                                                         "keyword lists), a text file (one per line) or a "
+                                                         "save_to_disk directory; required, except with --resume")
     p.add_argument("--iterations", type=int, default=None,
                    help=f"training iterations in all (DPO: optimizer steps; default: {DEFAULT_ITERATIONS}); "
                         "with --resume the run continues up to this count (default: the run's)")
@@ -260,46 +278,18 @@ def load_rewards(specs: list[str], model_dirs: list[str], weights: str | None, d
     return list(zip(terms, w))
 
 
-def load_prompt_file(path: str) -> list[str]:
-    """Prompts from a JSONL or text file through ``ppokit.lm.load_prompts``; InputError naming the file."""
-    from pathlib import Path
+def load_rows(flag: str, path: str) -> list:
+    """The rows of a JSONL/text file or a ``save_to_disk`` directory (``ppokit.lm.data.read_rows``), read before
+    any model is loaded; InputError naming the flag and the file."""
+    from ppokit.lm.data import read_rows
 
-    from ppokit.lm import load_prompts
-
-    if not Path(path).is_file():
-        raise InputError(f"--prompts {path}: no such file")
     try:
-        prompts = list(load_prompts(path))
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise InputError(f"--prompts {path}: {_first_line(exc)}") from None
-    if not prompts:
-        raise InputError(f"--prompts {path}: no prompts in the file")
-    return prompts
-
-
-def load_pairs(path: str) -> list[tuple[str, str, str]]:
-    """``(prompt, chosen, rejected)`` triples from a JSONL file; InputError naming the file and the line."""
-    import json
-    from pathlib import Path
-
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"--pairs {path}: no such file")
-    pairs = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"--pairs {path}: line {i} is not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("prompt", "chosen",
-                                                                                        "rejected")):
-            raise InputError(f"--pairs {path}: line {i} needs string fields prompt, chosen and rejected")
-        pairs.append((row["prompt"], row["chosen"], row["rejected"]))
-    if not pairs:
-        raise InputError(f"--pairs {path}: no pairs in the file")
-    return pairs
+        rows = read_rows(path, flag)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:
+        raise InputError(f"--{flag} {path}: {_first_line(exc).removeprefix(flag + ': ')}") from None
+    if not rows:
+        raise InputError(f"--{flag} {path}: no rows in the file")
+    return rows
 
 
 def apply_lora(model, r: int):
@@ -341,7 +331,8 @@ def run(args: argparse.Namespace) -> int:
         if command == "demo":
             from ppokit.lm.demo import run_demo
 
-            run_demo(seed=full.seed, json_path=full.json, out_dir=full.out, quiet=full.quiet)
+            run_demo(seed=full.seed, json_path=full.json, out_dir=full.out, quiet=full.quiet,
+                     stages=("ppo", "grpo", "dpo", *(("rlhf",) if full.rlhf else ())))
             return 0
         return _train(command, full)
     except (InputError, ConfigError, RunDirError, CheckpointError) as exc:
@@ -407,10 +398,12 @@ def _resume_inputs(command: str, full: argparse.Namespace):
               "iterations": full.iterations or recorded.get("iterations") or DEFAULT_ITERATIONS}
     if full.lora and not inputs["lora"]:
         raise InputError(f"--lora: the run in {run_dir} trained every weight, not a LoRA adapter; drop --lora")
-    keys = ("pairs",) if command == "dpo" else ("prompts",)
+    keys = DATA_FLAGS.get(command, ("prompts",))
     for key in keys:
         inputs[key] = getattr(full, key) or recorded.get(key)
-    if command != "dpo":
+    if command == "rm":
+        inputs["eval_frac"] = float(recorded.get("eval_frac", full.eval_frac))
+    if command not in DATA_FLAGS:
         inputs["reward"] = full.reward or []
         inputs["reward_model"] = full.reward_model or list(recorded.get("reward_model") or [])
         inputs["reward_weights"] = full.reward_weights or recorded.get("reward_weights")
@@ -432,6 +425,8 @@ def _resume_inputs(command: str, full: argparse.Namespace):
 def _train(command: str, full: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from ppokit.core import schema as S
+
     if full.iterations is not None and full.iterations < 1:
         raise InputError(f"--iterations {full.iterations}: must be a positive integer")
     if full.resume:
@@ -439,48 +434,54 @@ def _train(command: str, full: argparse.Namespace) -> int:
         config = None
     else:
         config = config_from_args(full)  # before any model is loaded: a bad value costs nothing
-        for key in ("model", *(("pairs",) if command == "dpo" else ("reward", "prompts"))):
+        for key in ("model", *DATA_FLAGS.get(command, ("reward", "prompts"))):
             if not getattr(full, key) and not (key == "reward" and getattr(full, "reward_model", None)):
                 raise InputError(f"--{key}: required (ppokit lm {command} --help lists the options)")
-        data_inputs = ({"pairs": full.pairs} if command == "dpo" else
+        data_inputs = ({k: getattr(full, k) for k in DATA_FLAGS[command]} if command in DATA_FLAGS else
                        {"reward": full.reward or [], "reward_weights": full.reward_weights, "prompts": full.prompts,
                         "reward_model": [str(Path(d).resolve()) for d in full.reward_model or []]})
         inputs = {"model": full.model, "lora": full.lora, "lora_r": full.lora_r,
                   "iterations": full.iterations or DEFAULT_ITERATIONS, **data_inputs}
+        if command == "rm":
+            inputs["eval_frac"] = full.eval_frac
         run_dir = Path(full.run_dir) if full.run_dir else _default_run_dir(command, config.seed)
         held = [name for name in RUN_FILES if (run_dir / name).exists()]
         if held:  # the trainer appends to metrics.csv: a second run there would mix two runs' rows
             raise InputError(f"--run-dir {run_dir}: already holds a run ({', '.join(held)}); continue it with "
                              f"--resume {run_dir}, choose another directory or remove it")
     check_model_dir(inputs["model"])
-    if command == "dpo":
-        data, reward = load_pairs(inputs["pairs"]), None
-    else:
+    reward = None
+    for key in DATA_FLAGS.get(command, ("prompts",)):
+        load_rows(key, inputs[key])  # a bad file is refused before the model is loaded
+    if command not in DATA_FLAGS:
         reward = load_rewards(inputs["reward"], inputs["reward_model"], inputs["reward_weights"],
                               config.device if config is not None else "cpu")
-        data = load_prompt_file(inputs["prompts"])
     model, tokenizer = load_model_dir(inputs["model"], device=config.device if config is not None else "cpu")
     if inputs["lora"]:
         model = apply_lora(model, inputs["lora_r"])
 
-    from ppokit.lm import DPOTrainer, GRPOTrainer, PPOTrainer
+    from ppokit.lm import DPOTrainer, GRPOTrainer, PPOTrainer, RewardModelTrainer, SFTTrainer
     from ppokit.lm.checks import PromptError
 
-    cls = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "dpo": DPOTrainer}[command]
-    data_kw = {"pairs": data} if command == "dpo" else {"reward": reward, "prompts": data}
-    try:  # the trainers check the prompts, the generation budget and the memory before any work
+    cls = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "dpo": DPOTrainer, "sft": SFTTrainer,
+           "rm": RewardModelTrainer}[command]
+    data_flag = DATA_FLAGS.get(command, ("prompts",))[0]
+    data_kw = ({"pairs": inputs["pairs"]} if command == "dpo" else {"data": inputs["data"]} if command == "sft"
+               else {"pairs": inputs["pairs"], "eval_frac": inputs["eval_frac"]} if command == "rm"
+               else {"reward": reward, "prompts": inputs["prompts"]})
+    try:  # the trainers check the data, the generation budget and the memory before any work
         if full.resume:
             trainer = cls.resume(run_dir, model, tokenizer, **data_kw)
         else:
             trainer = cls(model, tokenizer, config=config, run_dir=run_dir, **data_kw)
     except PromptError as exc:
-        raise InputError(f"--{'pairs' if command == 'dpo' else 'prompts'} {inputs.get('pairs') or inputs['prompts']}: "
-                         f"{_first_line(exc)}") from None
-    except ValueError as exc:  # ConfigError (max_new_tokens, memory) included: it names its field
-        raise InputError(_first_line(exc)) from None
+        raise InputError(f"--{data_flag} {inputs[data_flag]}: {_first_line(exc)}") from None
+    except ValueError as exc:  # ConfigError (max_new_tokens, memory) and bad rows included: each names its field
+        text = _first_line(exc)
+        raise InputError("--" + text if text.startswith(f"{data_flag} {inputs[data_flag]} ") else text) from None
     # Recorded in lm_run.json, so that --resume needs only the reward again; paths absolute (the cwd may change).
-    trainer.run_info = {**inputs, **{k: str(Path(inputs[k]).resolve()) for k in ("model", "pairs", "prompts")
-                                     if k in inputs}}
+    trainer.run_info = {**inputs, **{k: str(Path(inputs[k]).resolve()) for k in ("model", "pairs", "prompts",
+                                                                                 "data") if k in inputs}}
     total = inputs["iterations"]
     if trainer.iteration >= total:
         trainer.close()
@@ -489,10 +490,18 @@ def _train(command: str, full: argparse.Namespace) -> int:
         return 0
     try:
         if command == "dpo":
-            before = trainer.preference_accuracy(data)
+            before = trainer.preference_accuracy(trainer.pairs, implicit=True)
             trainer.train(total - trainer.iteration)
-            after = trainer.preference_accuracy(data)
-            summary = f"preference accuracy {before:.3f} -> {after:.3f} on the {len(data)} pairs"
+            after = trainer.preference_accuracy(trainer.pairs, implicit=True)
+            summary = (f"preference accuracy {before:.3f} -> {after:.3f} on the {len(trainer.pairs)} pairs (DPO's "
+                       "implicit reward beta log pi/pi_ref, chosen over rejected)")
+        elif command == "sft":
+            nll = [m[S.SFT_NLL] for m in trainer.train(total - trainer.iteration)]
+            summary = f"completion NLL {nll[0]:.4g} (first step) -> {nll[-1]:.4g} (last)" if nll else "no step"
+        elif command == "rm":
+            trainer.train(total - trainer.iteration)
+            summary = (f"held-out pair accuracy {trainer.accuracy():.3f} on {len(trainer.eval_rows)} pairs; saved "
+                       f"{run_dir / 'reward_model'} (AutoModelForSequenceClassification)")
         else:
             summary = _score_summary(trainer.train(total - trainer.iteration))
     finally:
@@ -505,7 +514,7 @@ def _train(command: str, full: argparse.Namespace) -> int:
               f"saved {run_dir / 'trainer_state.pt'}; continue with: {again}")
         return 128 + int(signal.Signals[trainer.interrupted])
     print(f"ppokit lm {command}: {trainer.iteration} iterations, {summary}")
-    print(f"saved: {run_dir / 'policy'} (from_pretrained reads it); diagnose: ppokit doctor {run_dir}")
+    print(f"saved: {run_dir / trainer.model_dir} (from_pretrained reads it); diagnose: ppokit doctor {run_dir}")
     return 0
 
 

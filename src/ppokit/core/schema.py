@@ -74,6 +74,10 @@ KL_REF_RUNAWAY = 10.0
 ZERO_STD_FRAC = 0.5  # GRPO: half the groups or more with equal rewards (no advantage signal in them)
 KL_BLOWUP_MIN_UPDATES = 2  # KL > kl_alert on at least this many updates (or 5%) is a blow-up over a whole run
 ENTROPY_PINNED = 0.02  # entropy within 2% of its start (relative to the start) all run: the policy never moved
+# Below this many updates (Gymnasium) or iterations (LM) the doctor gives no verdict ("too short to judge"): the
+# trend compares a start window with the last quarter, which needs two or more values per quarter to be apart
+# from the start, and the live rules' patience (``reward_patience``, ``clipfrac_patience``) is 5 updates.
+MIN_UPDATES_TO_JUDGE = 8
 ENT_COEF_DOMINANT = 0.1  # an entropy bonus this large (typical 0-0.01) can pin the entropy at its start
 
 # ---------------------------------------------------------------- metric names
@@ -182,3 +186,12 @@ DPO_PREF_ACCURACY = _lm_metric("dpo/pref_accuracy", "DPO: fraction of the step's
 DPO_REWARD_MARGIN = _lm_metric("dpo/reward_margin", "DPO: mean implicit reward of chosen minus rejected", "rises")
 DPO_CHOSEN_REWARD = _lm_metric("dpo/chosen_reward", "DPO: mean implicit reward beta * log(pi/pi_ref) of chosen")
 DPO_REJECTED_REWARD = _lm_metric("dpo/rejected_reward", "DPO: mean implicit reward of rejected")
+SFT_NLL = _lm_metric("sft/nll", "SFT: mean negative log-likelihood per completion token (prompt tokens weigh 0)",
+                     "falls")
+RM_LOSS = _lm_metric("rm/loss", "reward model: Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), mean over "
+                     "the step's pairs", "falls")
+RM_ACCURACY = _lm_metric("rm/accuracy", "reward model: fraction of the step's pairs scored r_chosen > r_rejected "
+                         "(before the step)", "rises")
+RM_MARGIN = _lm_metric("rm/margin", "reward model: mean r_chosen - r_rejected of the step's pairs", "rises")
+RM_EVAL_ACCURACY = _lm_metric("rm/eval_accuracy", "reward model: fraction of the held-out pairs scored the right "
+                              "way after the step (NaN: none held out)", "rises towards 1")

@@ -7,13 +7,14 @@ trainer is used (``LMConfig`` does not need it)::
     trainer = GRPOTrainer(model, tokenizer, reward=my_reward, prompts="prompts.jsonl", config=LMConfig(...))
     history = trainer.train(40)
 
-Modules, one job each: ``config`` (LMConfig, validation, guard rails), ``prompts`` (lists, iterables, files),
+Modules, one job each: ``config`` (LMConfig, validation, guard rails), ``prompts`` (lists, iterables, files), ``data`` (TRL's dataset conventions:
+Datasets, chat templates, extra columns),
 ``generation`` (the Generator interface and its HF backend), ``logprobs`` (position ids, response masks, token
 log-probs, KL estimators), ``rollout`` (sampling a batch), ``rewards`` (functions, weighted lists, reward models),
 ``step`` (the epoch loop's UpdateStep over token minibatches), ``base`` (pi_ref, seeding, save/resume),
 ``durable`` (the loop's checkpoints, signals and failures; the run dir and its logging), ``checks`` (context,
 tokenizer and memory before any work),
-``ppo``, ``grpo``, ``dpo`` (the trainers); ``tiny`` and ``demo`` (a tiny GPT-2 and the CPU demo).
+``ppo``, ``grpo``, ``dpo`` (the trainers), ``supervised`` (SFT and the reward model); ``tiny`` and ``demo`` (a tiny GPT-2 and the CPU demo).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ _LAZY = {
     "PPOTrainer": "ppokit.lm.ppo",
     "GRPOTrainer": "ppokit.lm.grpo",
     "DPOTrainer": "ppokit.lm.dpo",
+    "SFTTrainer": "ppokit.lm.supervised",
+    "RewardModelTrainer": "ppokit.lm.supervised",
     "Generator": "ppokit.lm.generation",
     "HFGenerator": "ppokit.lm.generation",
 }

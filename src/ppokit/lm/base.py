@@ -91,6 +91,7 @@ class LMTrainer(LMRunLifecycle):
     kl_knob = "kl_coef"  # the config field that weighs the KL to pi_ref (named by the KL runaway alert)
     uses_reference = True
     has_critic = False  # a value model beside the policy (PPO-RLHF's): the memory check counts it
+    model_dir = "policy"  # the run dir's save_pretrained directory of the trained model (rundir.POLICY_DIR)
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: LMConfig | None = None,
                  run_dir: str | Path | None = None, ref_model: nn.Module | None = None,
@@ -110,7 +111,7 @@ class LMTrainer(LMRunLifecycle):
                                          stop_token_ids(tokenizer, model))
         # The inputs against the model and the machine, before pi_ref or a critic is copied from it.
         check_tokenizer(tokenizer)
-        self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed)
+        self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed, tokenizer)
         self._check_inputs(model, ref_model)
         self.policy = model.to(self.device)
         warn_half_precision([p for p in self.policy.parameters() if p.requires_grad])
@@ -235,11 +236,14 @@ class LMTrainer(LMRunLifecycle):
                           where="this iteration's prompts")
         self.policy.eval()
         with self._rng(rng):
-            return sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
-                          self.reward if reward else None, self.device,
-                          ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
-                          value_fn=value_fn, missing_eos_penalty=self.config.missing_eos_penalty,
-                          storage=storage)
+            out = sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
+                         self.reward if reward else None, self.device,
+                         ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
+                         value_fn=value_fn, missing_eos_penalty=self.config.missing_eos_penalty,
+                         storage=storage)
+        if rng == "train":
+            self._last_sampled = out  # the iteration's completions, for completions.jsonl (_finish)
+        return out
 
     @property
     def has_reference(self) -> bool:
@@ -300,12 +304,24 @@ class LMTrainer(LMRunLifecycle):
         self._open_logger()
         if self.logger is not None:
             self.logger.log(self.completions, metrics)
+            self._log_samples()
         for a in alerts:
             record = {"update": self.iteration, "level": a.level, "name": a.name, "message": a.message}
             self.alerts.append(record)
             if self.logger is not None:
                 self.logger.alert(self.completions, a.level, a.name, a.message, a.data)
         return metrics
+
+    def _log_samples(self) -> None:
+        """A few of the iteration's completions into completions.jsonl and TensorBoard (``samples``)."""
+        sampled, self._last_sampled = getattr(self, "_last_sampled", None), None
+        if sampled is None or self.run_dir is None:
+            return
+        from ppokit.lm.samples import append_samples, sample_rows, samples_markdown
+
+        rows = sample_rows(sampled, self.tokenizer, self.iteration)
+        append_samples(self.run_dir, rows)
+        self.logger._to_tensorboard(lambda tb: tb.text(self.completions, "samples", samples_markdown(rows)))
 
     # ---------------------------------------------------------------- save / resume
     def _extra_state(self) -> dict[str, Any]:
@@ -360,6 +376,8 @@ class LMTrainer(LMRunLifecycle):
         from ppokit.runtime.rundir import policy_swap_paths
 
         tmp, aside, final = policy_swap_paths(directory, uuid.uuid4().hex)
+        if self.model_dir != final.name:  # the same swap under the subclass's name (temp names claim() removes)
+            aside, final = aside.with_name(aside.name.replace(".old.", ".aside.")), directory / self.model_dir
         try:
             with _quiet_progress():  # no "Writing model shards" bar on stderr at every checkpoint
                 self.policy.save_pretrained(tmp)

@@ -175,6 +175,8 @@ class DemoSettings:
     dpo_learning_rate: float = 1e-3
     dpo_beta: float = 0.1
     eval_samples: int = 256
+    rm_steps: int = 60  # the InstructGPT chain: reward-model steps on the SFT preference pairs, then PPO on it
+    rm_learning_rate: float = 3e-3
     extra: dict = field(default_factory=dict)  # further LMConfig fields for every trainer
 
 
@@ -227,7 +229,8 @@ def _rl_stage(cls, sft_model, tokenizer, config, run_dir, iterations: int, befor
 
 
 def run_demo(seed: int = 1, json_path: str | Path | None = None, out_dir: str | Path | None = "runs/lm_demo",
-             quiet: bool = False, settings: DemoSettings | None = None, stages=("ppo", "grpo", "dpo")) -> dict:
+             quiet: bool = False, settings: DemoSettings | None = None,
+             stages=("ppo", "grpo", "dpo")) -> dict:
     """SFT, then PPO, GRPO and DPO from the same SFT model; prints the curves and samples; returns the results.
 
     ``out_dir`` gets ``lm_demo.png`` and the PPO/GRPO/DPO run directories (``ppokit doctor OUT/ppo`` works on
@@ -284,6 +287,13 @@ def run_demo(seed: int = 1, json_path: str | Path | None = None, out_dir: str | 
             f"(held-out) {d['pref_acc_before']:.3f} -> {d['pref_acc_after']:.3f}; eval reward "
             f"{d['reward_before']:.3f} -> {d['reward_after']:.3f}")
         say(f"     samples: {'  '.join(d['samples_after'])}")
+
+    # 5. The InstructGPT chain: a reward model trained on the SFT preference pairs, then PPO against it.
+    if "rlhf" in stages:
+        results["rlhf"] = r = _rlhf_stage(model, tokenizer, seed, settings, sft, out)
+        say(f"RM   {settings.rm_steps} steps on {r['rm_pairs']} pairs: held-out pair accuracy {r['rm_accuracy']:.3f}; "
+            f"PPO on it {r['iterations']} iterations: eval reward {r['reward_before']:.3f} -> {r['reward_after']:.3f}")
+        say(f"     samples: {'  '.join(r['samples_after'])}")
 
     results["seconds_total"] = time.perf_counter() - total
     if out is not None:
@@ -363,3 +373,46 @@ def _quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+
+
+def reward_model_reward(reward_model, tokenizer):
+    """A reward function scoring ``prompt + completion`` with a trained reward model (``supervised.score_texts``,
+    right-padded): the demo's stand-in for ``ppokit lm ppo --reward-model DIR``."""
+    from ppokit.lm.supervised import score_texts
+
+    def rm_reward(prompts: list[str], completions: list[str], **info) -> list[float]:
+        with torch.no_grad():
+            return score_texts(reward_model, tokenizer, [p + c for p, c in zip(prompts, completions)]).tolist()
+
+    return rm_reward
+
+
+def _rlhf_stage(sft_model, tokenizer, seed: int, settings: DemoSettings, sft: dict, out: Path | None) -> dict:
+    """SFT -> reward model (Bradley-Terry on pairs of SFT samples ranked by the demo's score) -> PPO on the
+    reward model's score; evaluated with the true score."""
+    from ppokit.core import schema as S
+    from ppokit.lm.ppo import PPOTrainer
+    from ppokit.lm.supervised import RewardModelTrainer
+
+    pairs = preference_pairs(sample(sft_model, tokenizer, settings.dpo_samples, seed=seed + 3000))
+    rm_dir = None if out is None else _fresh(out / "rm")
+    rm = RewardModelTrainer(copy.deepcopy(sft_model), tokenizer, pairs, run_dir=rm_dir, eval_frac=0.2,
+                            config=lm_config(seed, settings, batch_prompts=16,
+                                             learning_rate=settings.rm_learning_rate))
+    started = time.perf_counter()
+    rm.train(settings.rm_steps)
+    rm.close()
+    accuracy = rm.accuracy()
+    rm.policy.eval()
+    run_dir = None if out is None else _fresh(out / "rlhf_ppo")
+    config = lm_config(seed, settings, learning_rate=settings.ppo_learning_rate, kl_coef=settings.kl_coef)
+    trainer = PPOTrainer(copy.deepcopy(sft_model), tokenizer, reward=reward_model_reward(rm.policy, tokenizer),
+                         prompts=[PROMPT] * config.batch_prompts, config=config, run_dir=run_dir)
+    history = trainer.train(settings.iterations)
+    trainer.close()
+    after = evaluate(trainer.policy, tokenizer, seed=seed + 1000)
+    return {"rm_pairs": len(pairs), "rm_accuracy": accuracy, "rm_steps": settings.rm_steps,
+            "reward_before": sft["reward"], "reward_after": after["reward"], "iterations": settings.iterations,
+            "rm_score_curve": [m[S.SCORE_MEAN] for m in history], "samples_after": after["samples"],
+            "seconds": time.perf_counter() - started,
+            "run_dir": None if run_dir is None else str(run_dir)}

@@ -14,8 +14,9 @@ optimizer step, skipped (and counted) when the loss or the gradient is not finit
 from __future__ import annotations
 
 import math
+import os
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,33 +24,36 @@ from torch import Tensor, nn
 from ppokit.core import schema as S
 from ppokit.lm.base import LMTrainer
 from ppokit.lm.checks import check_pairs_context
+from ppokit.lm.data import numbered_rows, to_pair
 from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.losses import LossSettings, get_loss
 from ppokit.lm.rollout import encode_prompts
 
-__all__ = ["DPOTrainer", "encode_pairs"]
+__all__ = ["DPOTrainer", "encode_pairs", "encode_responses"]
 
 
-def _check_pairs(pairs: Any) -> list[tuple[str, str, str]]:
-    if not isinstance(pairs, Sequence) or isinstance(pairs, (str, bytes)) or len(pairs) == 0:
+def _check_pairs(pairs: Any, tokenizer: Any = None) -> list[tuple[str, str, str]]:
+    """``(prompt, chosen, rejected)`` text triples from a list of triples or rows, a ``datasets.Dataset``, a
+    ``save_to_disk`` directory or a JSONL file, each column a string or conversational (``data.to_pair``)."""
+    where = f"pairs {pairs}" if isinstance(pairs, (str, os.PathLike)) else "pairs"
+    rows = numbered_rows(pairs, where)
+    if not rows:
         raise ValueError("pairs must be a non-empty list of (prompt, chosen, rejected) string triples")
-    out = []
-    for i, item in enumerate(pairs):
-        if isinstance(item, dict):
-            item = (item.get("prompt"), item.get("chosen"), item.get("rejected"))
-        if not (isinstance(item, (tuple, list)) and len(item) == 3 and all(isinstance(x, str) for x in item)):
-            raise ValueError(f"pairs[{i}] must be a (prompt, chosen, rejected) triple of strings (or a dict with "
-                             "those keys)")
-        out.append(tuple(item))
-    return out
+    return [to_pair(row, n, tokenizer, where) for n, row in rows]
 
 
 def encode_pairs(tokenizer: Any, pairs: list[tuple[str, str, str]], pad_id: int, eos_id: int,
                  device: torch.device) -> tuple[Tensor, Tensor, int]:
     """``(input_ids [2N, P + R], attention_mask [2N, P + R], R)``: rows ``0..N-1`` are prompt + chosen, rows
     ``N..2N-1`` prompt + rejected; prompts left-padded, responses (their tokens + EOS) right-padded."""
-    prompts = [p for p, _, _ in pairs] * 2
-    responses = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
+    return encode_responses(tokenizer, [p for p, _, _ in pairs] * 2,
+                            [c for _, c, _ in pairs] + [r for _, _, r in pairs], pad_id, eos_id, device)
+
+
+def encode_responses(tokenizer: Any, prompts: list[str], responses: list[str], pad_id: int, eos_id: int,
+                     device: torch.device) -> tuple[Tensor, Tensor, int]:
+    """``(input_ids [N, P + R], attention_mask [N, P + R], R)``: each prompt left-padded, its response (tokens +
+    EOS) right-padded after it."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, pad_id, device)
     resp = [list(x) + [eos_id] for x in tokenizer(responses, add_special_tokens=False)["input_ids"]]
     R = max(len(r) for r in resp)
@@ -70,7 +74,7 @@ class DPOTrainer(LMTrainer):
 
     def __init__(self, model: nn.Module, tokenizer: Any, pairs: Any, config=None, run_dir=None,
                  ref_model: nn.Module | None = None, *, overwrite: bool = False):
-        self.pairs = _check_pairs(pairs)  # before the base's input checks, which measure them
+        self.pairs = _check_pairs(pairs, tokenizer)  # before the base's input checks, which measure them
         super().__init__(model, tokenizer, config, run_dir, ref_model)
         self.overwrite = overwrite
         self.consumed = 0
@@ -125,7 +129,7 @@ class DPOTrainer(LMTrainer):
         """Fraction of ``pairs`` the policy prefers the right way: ``log pi(chosen) > log pi(rejected)`` (the
         policy's own likelihoods; meaningful before any training too), or with ``implicit=True`` DPO's implicit
         reward ``log pi/pi_ref`` (0 for both at the start, so a tie; ties count as wrong)."""
-        pairs = _check_pairs(pairs)
+        pairs = _check_pairs(pairs, self.tokenizer)
         hits = 0
         self.policy.eval()
         with torch.no_grad():

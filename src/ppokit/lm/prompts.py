@@ -3,7 +3,9 @@
 ``load_prompts(path)``: a ``.jsonl`` file (one JSON string, or an object with a ``"prompt"`` key, per line) or a
 text file (one prompt per non-empty line). Reading a file never runs code.
 
-``PromptSource`` cycles a finite list in a fresh seeded permutation per pass (the permutation of pass ``k`` is a
+``PromptSource`` also takes a ``datasets.Dataset``, a ``save_to_disk`` directory and rows in TRL's conventions
+(``data``: conversational prompts through the tokenizer's chat template, extra columns kept with each prompt).
+It cycles a finite list in a fresh seeded permutation per pass (the permutation of pass ``k`` is a
 function of ``(seed, k)`` alone, so the position is the whole state to checkpoint); a one-shot iterable is read
 lazily in its own order, and on resume the items already consumed are skipped.
 """
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ppokit.lm.data import numbered_rows, to_prompt
 
 __all__ = ["load_prompts", "PromptSource"]
 
@@ -52,12 +56,21 @@ def load_prompts(source: str | os.PathLike) -> list[str]:
 class PromptSource:
     """Serves ``take(n)`` prompts at a time; ``state()`` / ``load_state()`` checkpoint the position."""
 
-    def __init__(self, prompts: Any, seed: int):
+    def __init__(self, prompts: Any, seed: int, tokenizer: Any = None):
         self.seed = int(seed)
         self.consumed = 0
         self._iter: Iterator[str] | None = None
+        self._tokenizer = tokenizer
+        self._columns: list[str] | None = None
+        self._labels: list[str] | None = None  # "line N" of a file's rows, for messages
+        where = "prompts"
         if isinstance(prompts, (str, os.PathLike)):
-            prompts = load_prompts(prompts)
+            where = f"prompts {prompts}"
+        if isinstance(prompts, (str, os.PathLike)) or hasattr(prompts, "column_names") \
+                or type(prompts).__name__ == "DatasetDict":
+            numbered = numbered_rows(prompts, "prompts")
+            prompts, self._labels = [r for _, r in numbered], [n for n, _ in numbered]
+        self._where = where
         if isinstance(prompts, (list, tuple)):
             self.items: list[str] | None = [self._check(p, i) for i, p in enumerate(prompts)]
             if not self.items:
@@ -70,11 +83,18 @@ class PromptSource:
                              f"{type(prompts).__name__}")
         self._perm: tuple[int, torch.Tensor] | None = None
 
-    @staticmethod
-    def _check(p: Any, i: int) -> str:
-        if not isinstance(p, str):
-            raise ValueError(f"prompts[{i}] must be a string, got {type(p).__name__}")
-        return p
+    def _check(self, p: Any, i: int) -> str:
+        """A row as its prompt text (``data.to_prompt``); the first row fixes the extra columns every row has."""
+        if isinstance(p, str) and self._columns is None:
+            return p
+        if not isinstance(p, (str, dict)):
+            raise ValueError(f"prompts[{i}] must be a string or a row with a \"prompt\" column, got "
+                             f"{type(p).__name__}")
+        at = self._labels[i] if self._labels is not None and i < len(self._labels) else i
+        out = to_prompt(p, at, self._tokenizer, self._where, self._columns)
+        if self._columns is None:
+            self._columns = list(getattr(out, "extra", {}))
+        return out
 
     def _order(self, k: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != k:

@@ -8,7 +8,7 @@ Numbered as the pipeline runs (``sample``):
 3. the response mask: through the first stop token (``SamplingSettings.stop_token_ids``), included, decided by position (correct when pad == EOS);
 4. log-probs under pi_old right after generation (the ratio's denominator), under pi_ref, and the values, all by
    one forward each with ``position_ids = cumsum(mask) - 1`` (``logprobs``);
-5. the score of each completion (``rewards``), minus ``missing_eos_penalty`` where no EOS was emitted; the
+5. the score of each completion (``rewards``; the prompts' extra dataset columns passed as keyword lists), minus ``missing_eos_penalty`` where no EOS was emitted; the
    trainers put it on the last real response token (the EOS when there is one: trl#1893, trl#3750 added it one
    token later).
 
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ppokit.core.batch import Field, Schema, TensorBatch
+from ppokit.lm.data import extra_columns
 from ppokit.lm.generation import Generator, SamplingSettings
 from ppokit.lm.logprobs import response_mask, token_logprobs
 
@@ -143,8 +144,10 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
     completion_ids = [row[:n] for row, n in zip(response_ids.tolist(), lengths.tolist())]  # one host read
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     raw = torch.zeros(len(prompts))
+    info: dict[str, Any] = {}
     if reward is not None:
-        info = {"completion_ids": completion_ids, "eos": has_eos.tolist(), "input_ids": input_ids,
+        # The prompts' dataset columns (data.Prompt.extra), one list each aligned with the completions (TRL's).
+        info = {**extra_columns(prompts), "completion_ids": completion_ids, "eos": has_eos.tolist(), "input_ids": input_ids,
                 "attention_mask": attention_mask}
         raw = reward(list(prompts), completions, info)
     scores = raw.clone()

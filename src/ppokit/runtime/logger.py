@@ -40,6 +40,8 @@ _TABLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("value loss", (S.VALUE_LOSS, "losses/vf_loss")),
     ("entropy", ("losses/entropy", S.ENTROPY)),
     ("approx KL", _KL_KEYS),
+    ("KL ref", (S.KL_REF,)),
+    ("resp len", (S.RESPONSE_LENGTH,)),
     ("clipfrac", _CLIPFRAC_KEYS),
     ("expl. var", _EV_KEYS),
     ("lr", (S.LEARNING_RATE, "charts/lr", "optim/lr", "diag/lr")),
@@ -54,6 +56,13 @@ _LINE_FIELDS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
     ("clipfrac", _CLIPFRAC_KEYS, lambda v: f"{v:.2g}"),
     ("ev", _EV_KEYS, lambda v: f"{v:.2g}"),
     ("sps", _SPS_KEYS, lambda v: f"{v:,.0f}"),
+)
+# LM runs' fields (ppokit.lm), printed only when the run logs them: KL to pi_ref per sequence and the mean
+# completion length beside the score (shown as "return"), so a reward hack (score up, KL and length running off)
+# shows on the console.
+_LM_LINE_FIELDS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
+    ("kl_ref", (S.KL_REF,), lambda v: f"{v:.3g}"),
+    ("len", (S.RESPONSE_LENGTH,), lambda v: f"{v:.1f}"),
 )
 # "warn" and "alert" are the guard-rail monitor's two levels; the logging-style names are accepted too.
 _LEVEL_STYLES = {
@@ -386,6 +395,10 @@ class ConsoleSink:
         kl = _first(self._latest, _KL_KEYS)
         if kl is not None:
             parts.append(f"KL {kl:.3g}")
+        for label, keys, fmt in _LM_LINE_FIELDS:
+            value = _first(self._latest, keys)
+            if value is not None:
+                parts.append(f"{label} {fmt(value)}")
         return " | ".join(parts)
 
     def update_line(self) -> str:
@@ -396,6 +409,10 @@ class ConsoleSink:
         for label, keys, fmt in _LINE_FIELDS:
             value = _first(self._latest, keys)
             parts.append(f"{label} {'-' if value is None else fmt(value)}")
+        for label, keys, fmt in _LM_LINE_FIELDS:
+            value = _first(self._latest, keys)
+            if value is not None:
+                parts.append(f"{label} {fmt(value)}")
         if self.PROGRESS:
             parts.append(f"eta {self.eta()}")
         return " ".join(parts)

@@ -38,10 +38,12 @@ RUN_FILES = ("config.toml", "metrics.csv", "checkpoint.pt")
 # keeps best_model.zip.
 BEST_NAME = "best.pt"
 # Everything a run writes into its directory: what --overwrite removes. Other files (the user's) are kept.
+COMPLETIONS_FILE = "completions.jsonl"  # an LM run's sample completions (ppokit.lm.samples)
 # lm_run.json, trainer_state.pt, value_model.safetensors and policy/: what the language-model trainers write.
 _OUTPUT_FILES = (*RUN_FILES, BEST_NAME, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
-                 "trainer_state.pt", "value_model.safetensors")
-_OUTPUT_DIRS = ("tb", "videos", "wandb", "policy")  # policy: POLICY_DIR  # videos: --capture-video; wandb: --track
+                 "trainer_state.pt", "value_model.safetensors", COMPLETIONS_FILE)
+# policy: POLICY_DIR; reward_model: lm rm; videos: --capture-video; wandb: --track
+_OUTPUT_DIRS = ("tb", "videos", "wandb", "policy", "reward_model")
 # Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their policy/ directory).
 _TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".best.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
 POLICY_DIR = "policy"  # an LM run's save_pretrained directory
@@ -342,6 +344,23 @@ def _trim_alerts(path: Path, global_step: int) -> int:
     return dropped
 
 
+def _trim_iterations(path: Path, update: int) -> int:
+    """Keep the JSONL rows whose ``iteration`` is at most ``update`` (a half-written line dropped)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("iteration"), int) and record["iteration"] <= update:
+            kept.append(line)
+    dropped = len([line for line in lines if line.strip()]) - len(kept)
+    if dropped:
+        _atomic_write(path, "".join(line + "\n" for line in kept))
+    return dropped
+
+
 def trim_to_checkpoint(run_dir: str | os.PathLike, update: int, global_step: int) -> list[str]:
     """Drop ``metrics.csv`` rows of updates after ``update`` and alerts after ``global_step`` (atomic rewrites).
 
@@ -354,6 +373,10 @@ def trim_to_checkpoint(run_dir: str | os.PathLike, update: int, global_step: int
         n = _trim_metrics(run_dir / "metrics.csv", update, global_step)
         if n:
             notes.append(f"resume: dropped {n} metrics.csv row(s) logged after the checkpoint (update {update})")
+    if (run_dir / COMPLETIONS_FILE).is_file():
+        n = _trim_iterations(run_dir / COMPLETIONS_FILE, update)
+        if n:
+            notes.append(f"resume: dropped {n} completions.jsonl row(s) logged after the checkpoint (update {update})")
     if (run_dir / "alerts.jsonl").is_file():
         n = _trim_alerts(run_dir / "alerts.jsonl", global_step)
         if n:
