@@ -162,3 +162,14 @@ def test_the_lm_rollout_is_a_declared_batch_too():
     assert mb.n_response == R and mb.obs is mb.logp_old and len(mb) == 2
     assert batch.to("cpu").keys() == ["input_ids", "attention_mask", "response_mask", "logp_old", "scores",
                                       "values", "advantages"]
+
+
+def test_replace_gives_a_new_batch_with_the_named_fields_changed_and_refuses_an_undeclared_one():
+    B, P, R = 2, 1, 3
+    batch = TokenBatch(torch.zeros(B, P + R, dtype=torch.long), torch.ones(B, P + R, dtype=torch.long),
+                       torch.ones(B, R, dtype=torch.bool), torch.randn(B, R), torch.arange(2.0))
+    masked = batch.replace(response_mask=torch.zeros(B, R, dtype=torch.bool))
+    assert not masked.response_mask.any() and batch.response_mask.all()  # the original is untouched
+    assert masked.logp_old is batch.logp_old and type(masked) is TokenBatch
+    with pytest.raises(AttributeError, match="no declared field 'respons_mask'"):
+        batch.replace(respons_mask=batch.response_mask)

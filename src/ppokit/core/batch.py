@@ -256,6 +256,13 @@ class TensorBatch:
                 fields[name] = None if value is None else tree_map(per_row if name in rows else fn, value)
         return out
 
+    def replace(self, **fields: Any) -> Any:
+        """A batch of the same type with ``fields`` replaced (declared names only) and the others shared."""
+        out = self.map(lambda t: t)
+        for name, value in fields.items():
+            setattr(out, name, value)  # __setattr__ refuses an undeclared name
+        return out
+
     def index(self, idx: Tensor) -> Any:
         """The rows ``idx`` (along ``row_dim``) of every field, every part of a tree."""
         if self.row_dim == 0:

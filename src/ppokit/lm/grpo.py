@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -119,7 +118,7 @@ class GRPOTrainer(LMTrainer):
         truncated completions masked out (``mask_truncated_completions``); sets dapo's tokens per minibatch."""
         cfg = self.config
         if cfg.mask_truncated_completions:
-            b = replace(b, response_mask=b.response_mask & has_eos.to(b.response_mask.device)[:, None])
+            b = b.replace(response_mask=b.response_mask & has_eos.to(b.response_mask.device)[:, None])
         if cfg.drop_zero_std_groups:
             keep = torch.nonzero(~zero_std.repeat_interleave(cfg.group_size)).squeeze(-1)
             b = b.index(keep)
