@@ -89,7 +89,7 @@ def test_a_kill_between_the_policy_swaps_renames_puts_the_previous_policy_back(b
     saved = {p.name: p.read_bytes() for p in (run / "policy").iterdir()}
     # The disk as a kill -9 between the two renames of the next save leaves it: the previous policy/ moved aside,
     # the fresh one still under its temp name (half written), no policy/.
-    new, aside, final = rundir.policy_swap_paths(run, "0123abcd")
+    new, aside, final = rundir.model_swap_paths(run, "0123abcd")
     final.rename(aside)
     new.mkdir()
     (new / "model.safetensors").write_bytes(b"half")

@@ -337,3 +337,20 @@ def test_default_run_dir_names_have_no_colon_or_slash():
         name = default_run_dir(PPOConfig(env_id=env_id)).name
         assert ":" not in name and "/" not in name, name
         assert name.startswith(env_id.replace(":", "-").replace("/", "-") + "__ppo__s1__"), name
+
+
+@pytest.mark.parametrize("name", ["policy", "reward_model"])
+def test_claim_puts_back_a_model_directory_a_killed_swap_left_aside(tmp_path, name):
+    from ppokit.runtime.rundir import MODEL_DIRS, claim, model_swap_paths
+
+    assert name in MODEL_DIRS
+    run = tmp_path / "run"
+    run.mkdir()
+    new, aside, final = model_swap_paths(run, "feed", name)
+    aside.mkdir()
+    (aside / "config.json").write_text("{}")
+    new.mkdir()  # the half-written fresh copy
+    c = claim(run, resume=True)
+    c.release()
+    assert (final / "config.json").read_text() == "{}" and not aside.exists() and not new.exists()
+    assert any("back in place" in n for n in c.notes)

@@ -43,6 +43,7 @@ from ppokit.lm.sampling import CachedSampler
 from ppokit.policies import frozen_copy
 from ppokit.runtime import distributed
 from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ppokit.runtime.rundir import POLICY_DIR
 
 __all__ = ["LMTrainer", "is_peft_model", "disable_dropout", "adamw"]
 
@@ -91,7 +92,7 @@ class LMTrainer(LMRunLifecycle):
     kl_knob = "kl_coef"  # the config field that weighs the KL to pi_ref (named by the KL runaway alert)
     uses_reference = True
     has_critic = False  # a value model beside the policy (PPO-RLHF's): the memory check counts it
-    model_dir = "policy"  # the run dir's save_pretrained directory of the trained model (rundir.POLICY_DIR)
+    model_dir = POLICY_DIR  # the run dir's save_pretrained directory of the trained model
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: LMConfig | None = None,
                  run_dir: str | Path | None = None, ref_model: nn.Module | None = None,
@@ -373,11 +374,9 @@ class LMTrainer(LMRunLifecycle):
     def _save_policy_dir(self, directory: Path) -> None:
         """``directory/policy`` replaced by a fresh ``save_pretrained`` (written under a temp name beside it; a kill
         leaves temp names that ``rundir.claim`` removes, or, between the two renames, puts back)."""
-        from ppokit.runtime.rundir import policy_swap_paths
+        from ppokit.runtime.rundir import model_swap_paths
 
-        tmp, aside, final = policy_swap_paths(directory, uuid.uuid4().hex)
-        if self.model_dir != final.name:  # the same swap under the subclass's name (temp names claim() removes)
-            aside, final = aside.with_name(aside.name.replace(".old.", ".aside.")), directory / self.model_dir
+        tmp, aside, final = model_swap_paths(directory, uuid.uuid4().hex, self.model_dir)
         try:
             with _quiet_progress():  # no "Writing model shards" bar on stderr at every checkpoint
                 self.policy.save_pretrained(tmp)

@@ -38,10 +38,10 @@ from ppokit.lm.checks import check_pairs_context
 from ppokit.lm.data import numbered_rows, read_rows, to_pair, to_sft_example
 from ppokit.lm.dpo import encode_responses
 from ppokit.lm.logprobs import token_logprobs
+from ppokit.runtime.rundir import REWARD_MODEL_DIR
 
 __all__ = ["SFTTrainer", "RewardModelTrainer", "reward_model_from", "REWARD_MODEL_DIR"]
 
-REWARD_MODEL_DIR = "reward_model"  # RUN_DIR/reward_model: the trained reward model and its tokenizer
 
 
 def _where(source: Any, name: str) -> str:

@@ -42,18 +42,21 @@ COMPLETIONS_FILE = "completions.jsonl"  # an LM run's sample completions (ppokit
 # lm_run.json, trainer_state.pt, value_model.safetensors and policy/: what the language-model trainers write.
 _OUTPUT_FILES = (*RUN_FILES, BEST_NAME, "alerts.jsonl", "curves.png", "UNSAFE", "report.html", "DONE", "lm_run.json",
                  "trainer_state.pt", "value_model.safetensors", COMPLETIONS_FILE)
-# policy: POLICY_DIR; reward_model: lm rm; videos: --capture-video; wandb: --track
-_OUTPUT_DIRS = ("tb", "videos", "wandb", "policy", "reward_model")
-# Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their policy/ directory).
-_TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".best.pt.*.tmp", ".trainer_state.pt.*.tmp", ".policy.*.tmp")
-POLICY_DIR = "policy"  # an LM run's save_pretrained directory
+POLICY_DIR = "policy"  # an LM run's save_pretrained directory of its policy
+REWARD_MODEL_DIR = "reward_model"  # ... and of the reward model `ppokit lm rm` trains
+MODEL_DIRS = (POLICY_DIR, REWARD_MODEL_DIR)  # saved by a swap (model_swap_paths), recovered by claim()
+# videos: --capture-video; wandb: --track
+_OUTPUT_DIRS = ("tb", "videos", "wandb", *MODEL_DIRS)
+# Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their model directories).
+_TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".best.pt.*.tmp", ".trainer_state.pt.*.tmp",
+                         *(f".{name}.*.tmp" for name in MODEL_DIRS))
 
 
-def policy_swap_paths(run_dir: Path, token: str) -> tuple[Path, Path, Path]:
-    """``(new, aside, final)``: where an LM save writes the fresh ``policy/`` (``new``), where the previous one
-    waits while the new one is renamed in (``aside``), and ``policy/`` itself. Both temp names match
-    ``_TMP_CHECKPOINT_GLOBS``; ``claim`` puts an ``aside`` back when a kill came between the two renames."""
-    return (run_dir / f".{POLICY_DIR}.{token}.tmp", run_dir / f".{POLICY_DIR}.{token}.old.tmp", run_dir / POLICY_DIR)
+def model_swap_paths(run_dir: Path, token: str, name: str = POLICY_DIR) -> tuple[Path, Path, Path]:
+    """``(new, aside, final)``: where an LM save writes the fresh model directory ``name`` (``new``), where the
+    previous one waits while the new one is renamed in (``aside``), and ``run_dir/name`` itself. Both temp names
+    match ``_TMP_CHECKPOINT_GLOBS``; ``claim`` puts an ``aside`` back when a kill came between the two renames."""
+    return run_dir / f".{name}.{token}.tmp", run_dir / f".{name}.{token}.old.tmp", run_dir / name
 
 
 # Tokens of the locks this process holds: the same pid in a lock is a live owner only if it is one of these.
@@ -272,12 +275,14 @@ def claim(run_dir: str | os.PathLike, resume: bool = False, overwrite: bool = Fa
                          f"from {run_dir}")
         # A kill between the two renames of an LM save left the previous policy/ aside and none in place. The
         # checkpoint is written after the swap, so that previous policy/ is the one it belongs to: it goes back.
-        if not overwrite and not (run_dir / POLICY_DIR).exists():
-            for aside in sorted(run_dir.glob(f".{POLICY_DIR}.*.old.tmp")):
+        for name in MODEL_DIRS if not overwrite else ():
+            final = run_dir / name
+            asides = [] if final.exists() else sorted(run_dir.glob(f".{name}.*.old.tmp"))
+            for aside in asides:
                 if aside.is_dir() and not aside.is_symlink():
-                    os.rename(aside, run_dir / POLICY_DIR)
-                    notes.append(f"a save was killed while it replaced {run_dir / POLICY_DIR}: the previous one, "
-                                 "which the checkpoint belongs to, is back in place")
+                    os.rename(aside, final)
+                    notes.append(f"a save was killed while it replaced {final}: the previous one, which the "
+                                 "checkpoint belongs to, is back in place")
                     break
         # A checkpoint write killed midway leaves its temp file; nothing else writes here while we hold the lock.
         for tmp in (t for pattern in _TMP_CHECKPOINT_GLOBS for t in run_dir.glob(pattern)):
