@@ -237,7 +237,7 @@ def test_a_reward_raising_mid_run_saves_the_last_iteration_and_the_resume_is_the
 # (TensorBoard reopens the file for each record). Run in a subprocess: pytest replaces threading.excepthook, which
 # would hide the writer thread's traceback that must not be printed.
 FULL_DISK_REWARD = textwrap.dedent("""
-    import pathlib
+    import os, pathlib
 
     calls = []
 
@@ -245,8 +245,11 @@ FULL_DISK_REWARD = textwrap.dedent("""
         calls.append(1)
         if len(calls) == 3:
             (event_file,) = pathlib.Path("run", "tb").glob("events.out.tfevents.*")
-            event_file.unlink()
-            event_file.symlink_to("/dev/full")
+            # Swapped in by one rename: TensorBoard's writer thread reopens the file for each record, and would
+            # recreate it between an unlink and a symlink.
+            link = event_file.with_name("full.link")
+            link.symlink_to("/dev/full")
+            os.replace(link, event_file)
         return [c.count("a") / 4 for c in completions]
 """)
 

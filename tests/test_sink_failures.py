@@ -58,7 +58,7 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_the_run_saves(tmp_path):
 # Run in its own interpreter: pytest replaces threading.excepthook during a test, which would hide the writer
 # thread's traceback this test is about.
 DEV_FULL_RUN = """
-import sys, warnings
+import os, sys, warnings
 warnings.simplefilter("ignore")
 from ppokit.config.ppo_config import PPOConfig
 from ppokit.runtime.logger import SinkError
@@ -67,8 +67,11 @@ from ppokit.training.trainer import train
 def fill_after_first_update(info):
     if info.update == 1:
         (event_file,) = (info.run_dir / "tb").glob("events.out.tfevents.*")
-        event_file.unlink()
-        event_file.symlink_to("/dev/full")
+        # Swapped in by one rename: TensorBoard's writer thread reopens the file for each record, and would
+        # recreate it between an unlink and a symlink.
+        link = event_file.with_name("full.link")
+        link.symlink_to("/dev/full")
+        os.replace(link, event_file)
 
 cfg = PPOConfig(env_id="CartPole-v1", num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1,
                 total_timesteps=64 * 40, run_dir=sys.argv[1])
