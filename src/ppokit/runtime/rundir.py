@@ -333,7 +333,9 @@ def _trim_metrics(path: Path, update: int, global_step: int) -> int:
     return dropped
 
 
-def _trim_alerts(path: Path, global_step: int) -> int:
+def _trim_jsonl(path: Path, key: str, last: int) -> int:
+    """Keep the JSONL records whose integer ``key`` is at most ``last`` (a half-written line from a kill is
+    dropped); the number of records dropped."""
     lines = path.read_text(encoding="utf-8").splitlines()
     kept = []
     for line in lines:
@@ -341,24 +343,7 @@ def _trim_alerts(path: Path, global_step: int) -> int:
             record = json.loads(line)
         except ValueError:
             continue  # half a line from the kill
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= global_step:
-            kept.append(line)
-    dropped = len([line for line in lines if line.strip()]) - len(kept)
-    if dropped:
-        _atomic_write(path, "".join(line + "\n" for line in kept))
-    return dropped
-
-
-def _trim_iterations(path: Path, update: int) -> int:
-    """Keep the JSONL rows whose ``iteration`` is at most ``update`` (a half-written line dropped)."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("iteration"), int) and record["iteration"] <= update:
+        if isinstance(record, dict) and isinstance(record.get(key), int) and record[key] <= last:
             kept.append(line)
     dropped = len([line for line in lines if line.strip()]) - len(kept)
     if dropped:
@@ -379,11 +364,11 @@ def trim_to_checkpoint(run_dir: str | os.PathLike, update: int, global_step: int
         if n:
             notes.append(f"resume: dropped {n} metrics.csv row(s) logged after the checkpoint (update {update})")
     if (run_dir / COMPLETIONS_FILE).is_file():
-        n = _trim_iterations(run_dir / COMPLETIONS_FILE, update)
+        n = _trim_jsonl(run_dir / COMPLETIONS_FILE, "iteration", update)
         if n:
             notes.append(f"resume: dropped {n} completions.jsonl row(s) logged after the checkpoint (update {update})")
     if (run_dir / "alerts.jsonl").is_file():
-        n = _trim_alerts(run_dir / "alerts.jsonl", global_step)
+        n = _trim_jsonl(run_dir / "alerts.jsonl", "step", global_step)
         if n:
             notes.append(f"resume: dropped {n} alert(s) logged after the checkpoint (step {global_step:,})")
     return notes
