@@ -19,6 +19,7 @@ from ppokit.sb3 import (
     BaseCallback,
     CheckpointCallback,
     EvalCallback,
+    RecurrentPPO,
     SB3Error,
     StopTrainingOnRewardThreshold,
     make_vec_env,
@@ -317,3 +318,31 @@ def test_gymnasium_vector_env_is_rebuilt_from_its_id():
     assert (model.config.env_id, model.config.num_envs, model.config.vector_mode) == ("CartPole-v1", 4, "sync")
     assert isinstance(model.get_env(), VecEnv) and model.get_env().num_envs == 4  # SB3's interface for its loops
     venv.close()
+
+
+def test_recurrent_ppo_trains_an_lstm_and_predicts_with_its_state(tmp_path):
+    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", n_steps=64, batch_size=32, seed=0,
+                         policy_kwargs=dict(lstm_hidden_size=16, shared_lstm=True))
+    assert (model.config.recurrent, model.config.recurrent_hidden, model.config.recurrent_critic,
+            model.config.num_minibatches) == ("lstm", 16, "shared", 2)
+    model.learn(256)
+    obs = np.zeros((1, 4), np.float32)
+    _, state = model.predict(obs, state=None, episode_start=np.array([True]), deterministic=True)
+    _, state2 = model.predict(obs, state=state, episode_start=np.array([False]), deterministic=True)
+    assert state is not None and not torch.equal(state, state2)  # the LSTM state moves with each step
+    model.save(tmp_path / "rppo")
+    loaded = RecurrentPPO.load(tmp_path / "rppo.zip")
+    _, again = loaded.predict(obs, state=None, episode_start=np.array([True]), deterministic=True)
+    assert torch.equal(again, state)
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda: PPO("MlpPolicy", "CartPole-v1", policy_kwargs=dict(lstm_hidden_size=8)), "an LSTM policy's option"),
+    (lambda: RecurrentPPO("MlpPolicy", "CartPole-v1"),
+     "RecurrentPPO has MlpLstmPolicy"),
+    (lambda: RecurrentPPO(
+        "MlpLstmPolicy", "CartPole-v1", policy_kwargs=dict(n_lstm_layers=2)), "n_lstm_layers"),
+])
+def test_recurrent_names_and_options_are_refused_where_they_do_not_apply(make, needle):
+    with pytest.raises(SB3Error, match=needle):
+        make()

@@ -54,7 +54,7 @@ STEP_CALL_ROWS = 160
 
 def reset_state(state: Tensor, episode_start: Any) -> Tensor:
     """``state`` ``[B, ...]`` with the rows where ``episode_start`` (bool ``[B]``, numpy or tensor) is True zeroed."""
-    starts = torch.as_tensor(np.asarray(episode_start, dtype=bool) if not isinstance(episode_start, Tensor)
+    starts = torch.as_tensor(np.array(episode_start, dtype=bool) if not isinstance(episode_start, Tensor)
                              else episode_start, device=state.device)
     if not bool(starts.any()):
         return state

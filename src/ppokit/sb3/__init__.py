@@ -12,9 +12,9 @@ from ppokit.sb3.callbacks import (
     StopTrainingOnRewardThreshold,
     evaluate_policy,
 )
-from ppokit.sb3.ppo import PPO
+from ppokit.sb3.ppo import PPO, RecurrentPPO
 from ppokit.sb3.translate import SB3Error
 from ppokit.sb3.vec_env import VecEnv, make_vec_env
 
-__all__ = ["PPO", "BaseCallback", "CallbackList", "CheckpointCallback", "EvalCallback", "EveryNTimesteps",
+__all__ = ["PPO", "RecurrentPPO", "BaseCallback", "CallbackList", "CheckpointCallback", "EvalCallback", "EveryNTimesteps",
            "StopTrainingOnRewardThreshold", "evaluate_policy", "SB3Error", "VecEnv", "make_vec_env"]

@@ -26,16 +26,21 @@ from ppokit.sb3.callbacks import Bridge, as_callback
 from ppokit.sb3.translate import TABLE, SB3Error, sb3_name, translate
 from ppokit.sb3.vec_env import TrainEnv, make_vec_env, train_env
 
-__all__ = ["PPO", "POLICIES"]
+__all__ = ["PPO", "RecurrentPPO", "POLICIES", "RECURRENT_POLICIES"]
 
 # SB3's policy names and the observation spaces each serves (ppokit picks its encoder from the space itself).
 POLICIES = {"MlpPolicy": "a flat Box, Discrete or MultiDiscrete", "CnnPolicy": "an image Box (H, W, C)",
             "MultiInputPolicy": "a Dict"}
+# sb3-contrib's RecurrentPPO names: the same encoders, then an LSTM core (ppokit's recurrent = "lstm").
+RECURRENT_POLICIES = {"MlpLstmPolicy": "MlpPolicy", "CnnLstmPolicy": "CnnPolicy",
+                      "MultiInputLstmPolicy": "MultiInputPolicy"}
 
 
 class PPO:
     """SB3's ``PPO(policy, env, ...)``; the arguments are SB3's, with SB3's defaults (docs/sb3.md: how each maps
     to ppokit, and what is refused)."""
+
+    _recurrent = False  # RecurrentPPO: an LSTM policy
 
     def __init__(self, policy: str, env: Any, learning_rate: Any = 3e-4, n_steps: int = 2048, batch_size: int = 64,
                  n_epochs: int = 10, gamma: float = 0.99, gae_lambda: float = 0.95, clip_range: Any = 0.2,
@@ -47,7 +52,7 @@ class PPO:
         given = dict(locals())
         kwargs = {row.sb3: given[row.sb3] for row in TABLE}
         self._env = train_env(env)
-        fields = {**translate(kwargs, self._env.n_envs), **self._env.fields}
+        fields = {**translate(kwargs, self._env.n_envs, recurrent=self._recurrent), **self._env.fields}
         fields.pop("tensorboard", None)
         self.config = _config(fields, tensorboard=tensorboard_log is not None)
         self.policy_name = policy
@@ -55,19 +60,19 @@ class PPO:
         self.n_steps, self.batch_size, self.n_epochs, self.n_envs = n_steps, batch_size, n_epochs, self._env.n_envs
         self.num_timesteps = 0
         obs_space, act_space = _spaces(self._env)
-        _check_policy(policy, obs_space)
+        _check_policy(policy, obs_space, self._recurrent)
         self.observation_space, self.action_space = obs_space, act_space
         self._setup(obs_space, act_space)
 
     # ------------------------------------------------------------------ state
     def _setup(self, obs_space: Any, act_space: Any) -> None:
         from ppokit.core.seeding import seed_everything
-        from ppokit.policies import build_policy
+        from ppokit.policies import config_policy
 
         cfg = self.config
         # As the trainer does before it builds its policy, so a model's first learn starts from these weights.
         seed_everything(cfg.seed)
-        policy = build_policy(obs_space, act_space, cfg.hidden_sizes, cfg.activation)
+        policy = config_policy(obs_space, act_space, cfg)  # the MLP actor-critic, or the recurrent one
         self._state: dict | None = None  # the last learn's checkpoint (a loaded file's)
         self._trainer: Any = None  # while learn runs
         self._run_dir: Path | None = None
@@ -266,12 +271,17 @@ def _spaces(env: TrainEnv) -> tuple[Any, Any]:
         probe.close()
 
 
-def _check_policy(policy: Any, obs_space: Any) -> None:
+def _check_policy(policy: Any, obs_space: Any, recurrent: bool = False) -> None:
     import gymnasium as gym
 
-    if not isinstance(policy, str) or policy not in POLICIES:
+    names = RECURRENT_POLICIES if recurrent else POLICIES
+    if not isinstance(policy, str) or policy not in names:
         shown = policy if isinstance(policy, str) else getattr(policy, "__name__", type(policy).__name__)
-        raise SB3Error(f"policy={shown!r}: ppokit.sb3 has {', '.join(POLICIES)}")
+        other = "PPO" if recurrent else "RecurrentPPO"
+        raise SB3Error(f"policy={shown!r}: {'RecurrentPPO' if recurrent else 'PPO'} has {', '.join(names)} "
+                       f"(ppokit.sb3.{other} has {', '.join(POLICIES if recurrent else RECURRENT_POLICIES)})")
+    if recurrent:
+        policy = RECURRENT_POLICIES[policy]
     image = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 3
     kind = ("MultiInputPolicy" if isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple))
             else "CnnPolicy" if image else "MlpPolicy")
@@ -289,3 +299,17 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+class RecurrentPPO(PPO):
+    """sb3-contrib's ``RecurrentPPO(policy, env, ...)``: PPO with an LSTM policy (``MlpLstmPolicy``,
+    ``CnnLstmPolicy``, ``MultiInputLstmPolicy``; ppokit's ``recurrent = "lstm"``), with sb3-contrib's defaults
+    (128 steps, minibatches of 128) and its ``policy_kwargs`` (``lstm_hidden_size``, ``shared_lstm``); ``predict``
+    takes and returns the LSTM state as sb3-contrib's does (``state``, ``episode_start``)."""
+
+    _recurrent = True
+
+    def __init__(self, policy: str, env: Any, learning_rate: Any = 3e-4, n_steps: int = 128, batch_size: int = 128,
+                 n_epochs: int = 10, **kwargs: Any):
+        super().__init__(policy, env, learning_rate=learning_rate, n_steps=n_steps, batch_size=batch_size,
+                         n_epochs=n_epochs, **kwargs)

@@ -181,6 +181,46 @@ POLICY_KWARGS = {
                         _only_default("policy_kwargs['log_std_init']", 0.0, "ppokit's Gaussian log_std starts at 0")),
 }
 
+def _lstm_only(key: str, convert: Callable[[Any], dict]) -> Callable[[Any, dict], dict]:
+    """A ``policy_kwargs`` key sb3-contrib's RecurrentPPO takes: converted for an LSTM policy, refused otherwise."""
+    def conv(value: Any, ctx: dict) -> dict:
+        if not ctx.get("recurrent"):
+            raise SB3Error(f"policy_kwargs[{key!r}]: an LSTM policy's option; use ppokit.sb3.RecurrentPPO with "
+                           "MlpLstmPolicy, CnnLstmPolicy or MultiInputLstmPolicy")
+        return convert(value)
+    return conv
+
+
+def _lstm_hidden(value: Any) -> dict:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SB3Error(f"policy_kwargs['lstm_hidden_size']={value!r}: expected a positive integer")
+    return {"recurrent_hidden": value}
+
+
+def _critic_lstm(value: Any) -> dict:
+    if value is not True:
+        raise SB3Error(f"policy_kwargs['enable_critic_lstm']={value!r}: True only (ppokit's critic always has a "
+                       "recurrent core: its own, or the actor's with shared_lstm=True)")
+    return {}
+
+
+def _one_layer(value: Any) -> dict:
+    if value != 1:
+        raise SB3Error(f"policy_kwargs['n_lstm_layers']={value!r}: 1 only (ppokit's recurrent core has one layer)")
+    return {}
+
+
+POLICY_KWARGS.update({
+    "lstm_hidden_size": Row("lstm_hidden_size", 256, "recurrent_hidden", "the same (RecurrentPPO only)",
+                            _lstm_only("lstm_hidden_size", _lstm_hidden)),
+    "shared_lstm": Row("shared_lstm", False, "recurrent_critic", "False: separate (the critic's own LSTM); True: "
+                       "shared (RecurrentPPO only)",
+                       _lstm_only("shared_lstm", lambda v: {"recurrent_critic": "shared" if v else "separate"})),
+    "enable_critic_lstm": Row("enable_critic_lstm", True, "", "True only (RecurrentPPO only)",
+                              _lstm_only("enable_critic_lstm", _critic_lstm)),
+    "n_lstm_layers": Row("n_lstm_layers", 1, "", "1 only (RecurrentPPO only)", _lstm_only("n_lstm_layers", _one_layer)),
+})
+
 _SDE = "ppokit has no state-dependent exploration (gSDE)"
 
 # SB3's PPO.__init__ arguments in its order, after ``policy`` and ``env`` (PPO handles those two itself).
@@ -224,12 +264,15 @@ TABLE = [
 ]
 
 
-def translate(kwargs: dict, n_envs: int) -> dict:
-    """PPOConfig fields for SB3's ``kwargs`` (every ``TABLE`` argument, given or default) with ``n_envs``."""
-    ctx: dict = {"n_envs": n_envs, "n_steps": kwargs["n_steps"]}
+def translate(kwargs: dict, n_envs: int, recurrent: bool = False) -> dict:
+    """PPOConfig fields for SB3's ``kwargs`` (every ``TABLE`` argument, given or default) with ``n_envs``;
+    ``recurrent``: sb3-contrib's RecurrentPPO (an LSTM policy, ``recurrent = "lstm"``)."""
+    ctx: dict = {"n_envs": n_envs, "n_steps": kwargs["n_steps"], "recurrent": recurrent}
     fields: dict = {}
     for row in TABLE:
         fields.update(row.convert(kwargs[row.sb3], ctx))
+    if recurrent:
+        fields["recurrent"] = "lstm"
     return fields
 
 
