@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # One torch thread everywhere, set before torch is imported (both libraries then run under the same budget).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -109,10 +110,11 @@ def run_ppokit(config, device: str = "cpu") -> dict:
 
 
 def run_sb3(env_id: str, n_envs: int, seed: int, total: int, device: str = "cpu", normalize: bool = False,
-            **ppo_kwargs) -> dict:
+            algo: Any = None, policy: str = "MlpPolicy", **ppo_kwargs) -> dict:
     """Train SB3 PPO on ``n_envs`` copies of ``env_id``; same measurements as ``run_ppokit``. ``normalize``
     wraps the envs in SB3's ``VecNormalize`` (observations and rewards, both clipped at 10, the return's
-    discount the PPO gamma): the same normalization as ppokit's ``normalize_obs`` + ``normalize_reward``."""
+    discount the PPO gamma): the same normalization as ppokit's ``normalize_obs`` + ``normalize_reward``.
+    ``algo``/``policy``: another SB3-style class and policy name (sb3-contrib's RecurrentPPO, "MlpLstmPolicy")."""
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
@@ -142,7 +144,7 @@ def run_sb3(env_id: str, n_envs: int, seed: int, total: int, device: str = "cpu"
 
         env = VecNormalize(env, norm_obs=True, norm_reward=True, clip_obs=10.0, clip_reward=10.0,
                            gamma=ppo_kwargs.get("gamma", 0.99))
-    model = PPO("MlpPolicy", env, seed=seed, device=device, verbose=0, **ppo_kwargs)
+    model = (algo or PPO)(policy, env, seed=seed, device=device, verbose=0, **ppo_kwargs)
     cb = Episodes()
     t1 = time.perf_counter()
     model.learn(total_timesteps=total, callback=cb)

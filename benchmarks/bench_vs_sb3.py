@@ -23,8 +23,14 @@ libraries alternates between seeds so neither always runs on a warmer (or busier
    env steps per second (the libraries round the budget to whole rollouts differently). ppokit's own split of
    its loop (``perf/time_*``) is printed beside it.
 
+4. Recurrent PPO (``--tasks recurrent``; needs sb3-contrib, in the ``bench`` extra): RL-Zoo's ``ppo_lstm``
+   CartPoleNoVel-v1 settings on both sides (ppokit's ``cartpole-novel`` preset, sb3-contrib's ``RecurrentPPO`` with
+   ``MlpLstmPolicy``: 8 envs x 32 steps, 20 epochs of one 256-sample minibatch, gamma 0.98, lambda 0.8, lr 1e-3 and
+   clip 0.2 linear to 0, no entropy, observation and reward normalization, an LSTM of 64 with the critic's own,
+   ReLU heads of 64, no orthogonal init) on ``ppokit/CartPoleNoVel-v1``, each run its own process as for MuJoCo.
+
     python benchmarks/bench_vs_sb3.py [--smoke] [--device cpu] [--seeds 3] [--steps 100000]
-                                      [--tasks cartpole,mujoco] [--mujoco-seeds 1]
+                                      [--tasks cartpole,mujoco,recurrent] [--mujoco-seeds 1]
                                       [--mujoco-envs HalfCheetah-v5,Hopper-v5]
 
 ``--steps`` is the budget of the RL-Zoo CartPole and the MuJoCo runs; ``--tasks mujoco --steps 4096`` is a short
@@ -139,8 +145,36 @@ def mujoco_sb3_kwargs(cfg) -> dict:
                 policy_kwargs=dict(net_arch=dict(pi=list(cfg.hidden_sizes), vf=list(cfg.hidden_sizes))))
 
 
+RECURRENT_ENV = "ppokit/CartPoleNoVel-v1"
+
+
+def recurrent_worker(lib: str, seed: int, steps: int, device: str) -> dict:
+    """One recurrent run (RL-Zoo's ppo_lstm CartPoleNoVel-v1 settings) of ``lib`` in this process."""
+    import ppokit.envs  # noqa: F401  (registers ppokit/CartPoleNoVel-v1 for SB3's make_vec_env)
+    from ppokit.config.ppo_config import load_preset
+
+    cfg = load_preset("cartpole-novel")
+    cfg.seed, cfg.total_timesteps, cfg.tensorboard = seed, steps, False
+    if lib == "sb3":
+        from sb3_contrib import RecurrentPPO
+        from torch import nn
+
+        r = C.run_sb3(RECURRENT_ENV, cfg.num_envs, seed, steps, device, normalize=True, algo=RecurrentPPO,
+                      policy="MlpLstmPolicy", n_steps=cfg.num_steps, batch_size=cfg.minibatch_size,
+                      n_epochs=cfg.update_epochs, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, ent_coef=0.0,
+                      learning_rate=lambda p: 1e-3 * p, clip_range=lambda p: 0.2 * p, vf_coef=cfg.vf_coef,
+                      max_grad_norm=cfg.max_grad_norm,
+                      policy_kwargs=dict(ortho_init=False, activation_fn=nn.ReLU, lstm_hidden_size=64,
+                                         enable_critic_lstm=True, net_arch=dict(pi=[64], vf=[64])))
+    else:
+        r = C.run_ppokit(cfg, device)
+    return {"steps": r["steps"], "loop": r["loop"], "call": r["wall"], "perf": r.get("perf")}
+
+
 def mujoco_worker(lib: str, env_id: str, seed: int, steps: int, device: str) -> dict:
     """One MuJoCo run of ``lib`` in this process (see ``run_mujoco``); its measurements."""
+    if env_id == RECURRENT_ENV:
+        return recurrent_worker(lib, seed, steps, device)
     cfg = mujoco_config(env_id, seed, steps)
     if lib == "sb3":
         r = C.run_sb3(env_id, cfg.num_envs, seed, steps, device, normalize=cfg.normalize_obs and cfg.normalize_reward,
@@ -215,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    args.device)))
         return 0
     tasks = {t.strip() for t in args.tasks.split(",") if t.strip()}
-    unknown = tasks - {"cartpole", "mujoco"}
+    unknown = tasks - {"cartpole", "mujoco", "recurrent"}
     if unknown:
-        p.error(f"--tasks: unknown task(s) {', '.join(sorted(unknown))}; choose from cartpole, mujoco")
+        p.error(f"--tasks: unknown task(s) {', '.join(sorted(unknown))}; choose from cartpole, mujoco, recurrent")
     mujoco_envs = [e.strip() for e in args.mujoco_envs.split(",") if e.strip()]
     if args.smoke:
         args.seeds, args.steps, args.default_steps, args.default_seeds = 1, 2048, 2048, 1
@@ -239,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
             mujoco = compare_mujoco(mujoco_envs, list(range(1, args.mujoco_seeds + 1)), args.steps, args.device,
                                     have_sb3)
             print()
+    if "recurrent" in tasks:
+        recurrent = _compare_recurrent(list(range(1, args.mujoco_seeds + 1)), args.steps, args.device)
+        if recurrent is not None:
+            print(f"RATIO ppokit/sb3-contrib RecurrentPPO steps/s, {RECURRENT_ENV} (ppo_lstm settings, median): "
+                  f"{recurrent[0]:.2f}x whole process, {recurrent[1]:.2f}x loop (target >= 3x)")
+        print()
     if "cartpole" not in tasks:
         _print_mujoco_ratios(mujoco, have_sb3)
         print(f"load average after: {C.load()}")
@@ -263,6 +303,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"RATIO ppokit/SB3 steps/s, {name} CartPole (median): {r_call:.2f}x whole call, {r_loop:.2f}x loop"
               + (" (target >= 3x)" if "RL-Zoo" in name else ""))
     return 0
+
+
+def _compare_recurrent(seeds: list[int], steps: int, device: str) -> tuple[float, float] | None:
+    """ppokit's LSTM PPO against sb3-contrib's RecurrentPPO, each run its own process, order alternating."""
+    try:
+        import sb3_contrib  # noqa: F401
+    except ImportError:
+        print("sb3-contrib is not installed, so the recurrent comparison runs ppokit alone. Install it with:  "
+              "pip install 'ppokit[bench]'")
+        libs = ["ppokit"]
+    else:
+        libs = ["sb3", "ppokit"]
+    res: dict[str, list[dict]] = {}
+    rows = []
+    for i, seed in enumerate(seeds):
+        for lib in (libs if i % 2 == 0 else libs[::-1]):
+            r = run_mujoco(lib, RECURRENT_ENV, seed, steps, device)
+            res.setdefault(lib, []).append(r)
+            rows.append([lib, seed, r["steps"], r["process"], r["steps"] / r["process"], r["steps"] / r["loop"]])
+            print(f"  recurrent: {lib} seed {seed}: {r['process']:.1f} s whole process, "
+                  f"{r['steps'] / r['loop']:,.0f} steps/s (loop)", flush=True)
+    print()
+    print(f"## Recurrent PPO (LSTM 64), RL-Zoo's ppo_lstm settings on {RECURRENT_ENV}")
+    print(C.table(["library", "seed", "env steps", "whole process s", "steps/s (whole process)", "steps/s (loop)"],
+                  rows))
+    if "sb3" not in res:
+        return None
+    med = {lib: (C.median([r["steps"] / r["process"] for r in res[lib]]),
+                 C.median([r["steps"] / r["loop"] for r in res[lib]])) for lib in libs}
+    return med["ppokit"][0] / med["sb3"][0], med["ppokit"][1] / med["sb3"][1]
 
 
 def _print_mujoco_ratios(mujoco: dict | None, have_sb3: bool) -> None:
