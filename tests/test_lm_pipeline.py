@@ -33,7 +33,7 @@ def grpo_config(**kw):
 
 
 def test_conversational_prompts_and_extra_columns_reach_the_reward():
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="needs pip install -e '.[data]'")
     seen = []
 
     def reward(prompts, completions, answer, **kw):
@@ -54,7 +54,7 @@ def test_conversational_prompts_and_extra_columns_reach_the_reward():
 
 
 def test_prompts_from_a_save_to_disk_directory_and_jsonl(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="needs pip install -e '.[data]'")
     datasets.Dataset.from_list([{"prompt": "ab:", "k": 1}, {"prompt": "ba:", "k": 2}]).save_to_disk(tmp_path / "d")
     seen = []
 
@@ -91,7 +91,7 @@ def test_conversational_prompt_without_a_chat_template_is_one_line():
 
 
 def test_dpo_pairs_conversational_and_as_a_dataset():
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="needs pip install -e '.[data]'")
     model, tok = tiny()
     rows = [{"prompt": [{"role": "user", "content": "ab"}], "chosen": [{"role": "assistant", "content": "aa"}],
              "rejected": [{"role": "assistant", "content": "bb"}]}]

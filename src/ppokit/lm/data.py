@@ -70,7 +70,7 @@ def read_rows(source: Any, where: str = "data") -> list[Any]:
                 import datasets
             except ImportError:
                 raise ValueError(f"{where}: {path} is a datasets directory; reading it needs the datasets package "
-                                 "(pip install -e '.[lm]')") from None
+                                 "(pip install -e '.[data]')") from None
             return _from_dataset(datasets.load_from_disk(str(path)), f"{where} {path}")
         if not path.is_file():
             raise ValueError(f"{where}: no such file {path}")
