@@ -255,8 +255,26 @@ def _worker(s: TuneSettings, worker: int, n_trials: int, worker_of: int | None =
     base = _base_config(s)
     bounds = n_steps_range(base.num_envs, s.total_timesteps)
     study = _make_study(s, s.seed + worker)
+    if worker:
+        _wait_for_queue(study)
     # A trial whose run fails (an env error, a refused config) is recorded as FAIL and the study goes on.
     study.optimize(_objective(s, base, bounds), n_trials=n_trials, catch=(ValueError, RuntimeError))
+
+
+def _wait_for_queue(study, bound_s: float = 120.0) -> None:
+    """Let worker 0 claim the enqueued trials (the planner's config) before this worker asks for one.
+
+    Optuna claims a WAITING trial with an update that SQLite cannot lock (no ``SELECT ... FOR UPDATE``), so two
+    workers starting together both ran the enqueued trial 0 (seen under load: the second found its run dir locked
+    and the study recorded one failed trial). A bound, not a wait: past it the worker goes on as before.
+    """
+    import time
+
+    from optuna.trial import TrialState
+
+    deadline = time.monotonic() + bound_s
+    while study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _check(s: TuneSettings) -> tuple[PPOConfig, tuple[int, int]]:
