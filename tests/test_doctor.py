@@ -317,8 +317,11 @@ def test_a_three_update_atari_run_is_too_short_to_judge(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """One real CartPole run (the preset, 6000 steps) with its checkpoint, for tests that damage a copy of it."""
-    return _run(tmp_path_factory.mktemp("trained"), "run", total_timesteps=6000)
+    """One real CartPole run (the preset, 20000 steps) with its checkpoint, for tests that damage a copy of it.
+
+    20000 steps, not fewer: at 6000 the return rose 22 -> 38 on one machine, inside 3 noise sigmas, so the doctor
+    rightly could not call it healthy there (at 20000: 23 -> 294)."""
+    return _run(tmp_path_factory.mktemp("trained"), "run", total_timesteps=20000)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not_a_checkpoint"])
@@ -344,7 +347,7 @@ def test_an_unreadable_checkpoint_is_named_by_doctor_and_report(trained_run, tmp
     assert [f.cause for f in d.findings if f.cause not in ("checkpoint_unreadable", "healthy")] == \
         [c for c in before if c != "healthy"]
     assert d.findings[-1].cause == "checkpoint_unreadable"
-    assert before[0] == "healthy"  # the preset learns CartPole within 6000 steps: the metrics' verdict stays said
+    assert before[0] == "healthy"  # the preset learns CartPole within 20000 steps: the metrics' verdict stays said
     assert next(f for f in d.findings if f.cause == "healthy").title == "the metrics show a healthy run"
     assert main(["doctor", str(run_dir)]) == 1
     out = capsys.readouterr().out
