@@ -108,6 +108,27 @@ def test_negative_control_without_gradient_sync_the_ranks_drift_apart(tmp_path):
     assert len(rows) == 2 and all(d[0] != d[1] for _, d in rows), rows
 
 
+def test_two_rank_recurrent_run_keeps_one_set_of_weights(tmp_path):
+    """An LSTM policy (separate critic LSTM) on CartPole without velocities under torchrun: each rank replays its
+    own envs' sequences from their saved initial states, the gradients are averaged, and the two ranks hold the
+    same bits after every update, which moved the weights; the checkpoint carries each env's live state."""
+    from ppokit.runtime.checkpoint import load_checkpoint
+
+    args = ["--env", "ppokit/CartPoleNoVel-v1", "--recurrent", "lstm", "--recurrent-hidden", "16",
+            "--recurrent-critic", "separate", "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "2",
+            "--update-epochs", "2", "--quiet", "--no-tensorboard", "--dist-timeout", "20", "--normalize-obs",
+            "--total-timesteps", "192", "--run-dir", str(tmp_path / "run")]
+    proc = _torchrun(tmp_path, args)
+    _ok(proc)
+    rows = _checksums(tmp_path)
+    assert [u for u, _ in rows] == [1, 2, 3]
+    assert all(len(d) == 2 and d[0] == d[1] for _, d in rows), rows
+    assert len({d[0] for _, d in rows}) == 3
+    assert [int(float(m["global_step"])) for m in _metrics(tmp_path / "run")] == [64, 128, 192]
+    loop = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["loop"]
+    assert loop["policy_state"].abs().sum() > 0  # rank 0's envs' live LSTM states were saved
+
+
 @pytest.fixture(scope="module")
 def two_node_run(tmp_path_factory):
     """Two torchrun agents meeting at one c10d rendezvous endpoint, as two machines would: the autograd path
