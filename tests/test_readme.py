@@ -98,9 +98,9 @@ def test_every_flag_the_readme_names_exists():
     known = {opt for sp in subparsers().values() for action in sp._actions for opt in action.option_strings}
     known |= {opt for action in build_parser()._actions for opt in action.option_strings}
     # `ppokit lm ALGO` builds its full parser only when it runs (cli.lm._Deferred): ask for each one.
-    from ppokit.cli.lm import ALGOS, _full_parser
+    from ppokit.cli.lm_flags import ALGOS, full_parser
 
-    known |= {opt for algo in (*ALGOS, "demo") for action in _full_parser(algo)._actions
+    known |= {opt for algo in (*ALGOS, "demo") for action in full_parser(algo)._actions
               for opt in action.option_strings}
     text = README.read_text(encoding="utf-8")
     named = set()
