@@ -102,7 +102,10 @@ class LMConfig:
     std_ddof: int = _f(0, "GRPO: delta degrees of freedom of the reward std, 0 (population) or 1 (Bessel's, "
                        "TRL's)")
     drop_zero_std_groups: bool = _f(False, "GRPO: leave the groups whose G rewards are all equal out of the update "
-                                    "(DAPO's dynamic sampling, without resampling)")
+                                    "(DAPO's dynamic sampling; max_resample_rounds refills the batch)")
+    max_resample_rounds: int = _f(0, "GRPO with drop_zero_std_groups: extra generation rounds an iteration may take "
+                                  "to fill the batch with batch_prompts groups whose rewards differ (DAPO's dynamic "
+                                  "sampling); 0: train on the groups left, >= 0")
     mask_truncated_completions: bool = _f(False, "GRPO: leave completions that hit max_new_tokens without a stop "
                                           "token out of the loss (they still count in the group statistics)")
     dpo_loss: str = _f("sigmoid", "DPO: sigmoid (the paper's), ipo (squared, on length-normalized log-probs) or "
@@ -189,6 +192,9 @@ class LMConfig:
              "reinforce++ normalizes over the batch (Hu et al. 2025), not per group: set scale_rewards to batch "
              "(or none)")
         need(self.std_ddof in (0, 1), "std_ddof", f"must be 0 or 1, got {self.std_ddof!r}")
+        need(self.max_resample_rounds >= 0, "max_resample_rounds", f"must be >= 0, got {self.max_resample_rounds}")
+        need(self.max_resample_rounds == 0 or self.drop_zero_std_groups, "max_resample_rounds",
+             "resamples the groups drop_zero_std_groups leaves out: set drop_zero_std_groups too")
         need(self.dpo_loss in DPO_LOSSES, "dpo_loss", f"must be one of {', '.join(DPO_LOSSES)}, got {self.dpo_loss!r}")
         need(0 <= self.label_smoothing < 0.5, "label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
         need(self.label_smoothing == 0 or self.dpo_loss == "sigmoid", "label_smoothing",
