@@ -314,7 +314,7 @@ class LMTrainer(LMRunLifecycle):
         return metrics
 
     def _log_samples(self) -> None:
-        """A few of the iteration's completions into completions.jsonl and TensorBoard (``samples``)."""
+        """A few of the iteration's completions into completions.jsonl, TensorBoard and W&B (``samples``)."""
         sampled, self._last_sampled = getattr(self, "_last_sampled", None), None
         if sampled is None or self.run_dir is None:
             return
@@ -323,6 +323,7 @@ class LMTrainer(LMRunLifecycle):
         rows = sample_rows(sampled, self.tokenizer, self.iteration)
         append_samples(self.run_dir, rows)
         self.logger._to_tensorboard(lambda tb: tb.text(self.completions, "samples", samples_markdown(rows)))
+        self.logger.table(self.completions, "samples", rows)  # W&B (track): a wandb.Table
 
     # ---------------------------------------------------------------- save / resume
     def _extra_state(self) -> dict[str, Any]:

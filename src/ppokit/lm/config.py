@@ -125,6 +125,10 @@ class LMConfig:
                          "loses at most this many iterations")
     tensorboard: bool = _f(True, "write TensorBoard event files (with a run dir)")
     console: bool = _f(True, "print metrics and alerts on the console (with a run dir)")
+    track: bool = _f(False, "log the metrics and the sample completions (a table) to Weights & Biases, with a run dir "
+                     "(needs pip install 'ppokit[wandb]'; WANDB_MODE=offline writes the W&B run into RUN_DIR/wandb)")
+    wandb_project: str = _f("ppokit", "Weights & Biases project of track")
+    wandb_entity: str | None = _f(None, "Weights & Biases entity (user or team) of track (none: your default)")
 
     # ---------------------------------------------------------------- derived sizes
     @property
@@ -208,6 +212,14 @@ class LMConfig:
         need(self.num_minibatches <= self.rollout_size, "num_minibatches",
              f"{self.num_minibatches} minibatches cannot split {self.rollout_size} completions (batch_prompts * "
              f"group_size); use at most {self.rollout_size}")
+        from ppokit.config.wandb_names import project_name_problem
+
+        project_problem = project_name_problem(self.wandb_project)
+        need(project_problem is None, "wandb_project", project_problem or "")
+        if self.track:
+            from ppokit.runtime.wandb_sink import require_wandb
+
+            require_wandb()
         from ppokit.config.resources import check_device
 
         check_device(self.device)
