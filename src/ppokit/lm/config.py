@@ -19,12 +19,12 @@ from typing import Any
 from ppokit.config.ppo_config import SAFE_LIMITS, ConfigError
 from ppokit.core.reductions import REDUCTION_MODES
 from ppokit.core.schema import KL_STOP_FACTOR
+from ppokit.lm.backends import SAMPLERS
 
 __all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
 
 KL_ESTIMATORS = ("k1", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
-SAMPLERS = ("cached", "hf")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 _SEED_MAX = 2**32 - 1
 
@@ -51,8 +51,9 @@ class LMConfig:
     max_new_tokens: int = _f(16, "generation budget per completion, in tokens")
     temperature: float = _f(1.0, "sampling temperature; log-probs are those of the tempered distribution "
                             "that sampled (pure sampling: top_k = 0, top_p = 1)")
-    sampler: str = _f("cached", "generation backend: cached (ppokit's own decoding loop over the model's KV cache) "
-                      "or hf (transformers' model.generate); both sample the same distribution")
+    sampler: str = _f("cached", "generation backend: cached (ppokit's own decoding loop over the model's KV cache), "
+                      "hf (transformers' model.generate) or vllm (a vLLM engine on the policy's GPU, weights synced "
+                      "after each update; extra vllm, CUDA only); all sample the same distribution")
     missing_eos_penalty: float | None = _f(None, "subtracted from the score of a completion that never emitted "
                                            "the EOS token (none: no penalty), >= 0")
     # --- update ---
@@ -175,6 +176,11 @@ class LMConfig:
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
              f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.sampler == "vllm":
+            from ppokit.lm.vllm_generator import vllm_problem  # torch: not at import (--help)
+
+            problem = vllm_problem(self.device)
+            need(problem is None, "sampler", problem or "")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
              f"must be one of {', '.join(SCALE_REWARDS)}, got {self.scale_rewards!r}")
         from ppokit.lm.losses import DPO_LOSSES, IS_LEVELS, LOSS_TYPES, LOSSES  # torch: not at import (--help)
