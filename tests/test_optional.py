@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 CONFTEST = Path(__file__).with_name("conftest.py")
+CUDA_ONLY_EXTRAS = {"vllm"}  # extras CI cannot install (CUDA wheels only)
 
 SUITE = """
 import pytest
@@ -108,7 +109,8 @@ def test_ci_installs_every_extra_sets_the_variable_and_runs_the_readme_command()
     extras = set(tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
                  ["optional-dependencies"])
     installed = re.search(r'pip install -q -e "\.\[([a-z0-9,_-]+)\]"', ci)
-    assert installed and set(installed.group(1).split(",")) == extras
+    # vllm ships CUDA wheels only; CI is a CPU machine, and the vllm tests are hardware tests (allow_skip).
+    assert installed and set(installed.group(1).split(",")) == extras - CUDA_ONLY_EXTRAS
     assert "export PPOKIT_REQUIRE_ALL=1" in ci and "apt-get install -y -qq chromium" in ci
     readme = (root / "README.md").read_text(encoding="utf-8")
     assert "python3 -m pytest -q\n" in ci and "```bash\npython3 -m pytest -q\n```" in readme

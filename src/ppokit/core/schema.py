@@ -181,6 +181,13 @@ DISTINCT_FRAC = _lm_metric("lm/distinct_frac", "distinct completions / completio
 FRAC_REWARD_ZERO_STD = _lm_metric("lm/frac_reward_zero_std", "GRPO: fraction of prompt groups whose G rewards are all "
                                "equal (their advantages, hence their policy gradient, are exactly 0; trl#3857)",
                                "well below 1; 1 means 'loss 0' and no learning")
+RESAMPLE_ROUNDS = _lm_metric("lm/resample_rounds", "GRPO dynamic sampling: extra generation rounds this iteration "
+                            "took to fill the batch with groups whose rewards differ (max_resample_rounds bounds it)",
+                            "below the bound; at the bound the batch was not filled")
+DROPPED_GROUPS = _lm_metric("lm/dropped_groups", "GRPO drop_zero_std_groups: prompt groups left out of the update "
+                           "because their G rewards were all equal, over every round of the iteration")
+TRAIN_GROUPS = _lm_metric("lm/train_groups", "GRPO: prompt groups the update trained on (batch_prompts unless "
+                         "drop_zero_std_groups left some out)", "batch_prompts")
 DPO_PREF_ACCURACY = _lm_metric("dpo/pref_accuracy", "DPO: fraction of the step's pairs whose implicit reward "
                             "beta * (log pi/pi_ref) is higher for chosen than rejected (before the step)", "rises")
 DPO_REWARD_MARGIN = _lm_metric("dpo/reward_margin", "DPO: mean implicit reward of chosen minus rejected", "rises")

@@ -30,16 +30,16 @@ from torch import Tensor, nn
 from ppokit.core import schema as S
 from ppokit.diagnostics.monitor import Monitor
 from ppokit.lm.alerts import LMAlerts
+from ppokit.lm.backends import make_generator
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
 from ppokit.lm.config import LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
-from ppokit.lm.generation import HFGenerator, SamplingSettings, stop_token_ids
+from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.prompts import PromptSource
 from ppokit.lm.rewards import make_reward
 from ppokit.lm.rollout import Sampled, sample
-from ppokit.lm.sampling import CachedSampler
 from ppokit.policies import frozen_copy
 from ppokit.runtime import distributed
 from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -132,7 +132,7 @@ class LMTrainer(LMRunLifecycle):
         self._ref_fingerprint = "" if self.ref_model is None else _fingerprint(self.ref_model)
         self.reward = None if reward is None else make_reward(reward, tokenizer)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
-        self.backend = CachedSampler() if cfg.sampler == "cached" else HFGenerator()
+        self.backend = make_generator(cfg.sampler)
         # Counters and random streams (all checkpointed).
         self.iteration = 0
         self.completions = 0
@@ -314,7 +314,7 @@ class LMTrainer(LMRunLifecycle):
         return metrics
 
     def _log_samples(self) -> None:
-        """A few of the iteration's completions into completions.jsonl and TensorBoard (``samples``)."""
+        """A few of the iteration's completions into completions.jsonl, TensorBoard and W&B (``samples``)."""
         sampled, self._last_sampled = getattr(self, "_last_sampled", None), None
         if sampled is None or self.run_dir is None:
             return
@@ -323,6 +323,7 @@ class LMTrainer(LMRunLifecycle):
         rows = sample_rows(sampled, self.tokenizer, self.iteration)
         append_samples(self.run_dir, rows)
         self.logger._to_tensorboard(lambda tb: tb.text(self.completions, "samples", samples_markdown(rows)))
+        self.logger.table(self.completions, "samples", rows)  # W&B (track): a wandb.Table
 
     # ---------------------------------------------------------------- save / resume
     def _extra_state(self) -> dict[str, Any]:

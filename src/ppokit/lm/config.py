@@ -19,12 +19,12 @@ from typing import Any
 from ppokit.config.ppo_config import SAFE_LIMITS, ConfigError
 from ppokit.core.reductions import REDUCTION_MODES
 from ppokit.core.schema import KL_STOP_FACTOR
+from ppokit.lm.backends import SAMPLERS
 
 __all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
 
 KL_ESTIMATORS = ("k1", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
-SAMPLERS = ("cached", "hf")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 _SEED_MAX = 2**32 - 1
 
@@ -51,8 +51,9 @@ class LMConfig:
     max_new_tokens: int = _f(16, "generation budget per completion, in tokens")
     temperature: float = _f(1.0, "sampling temperature; log-probs are those of the tempered distribution "
                             "that sampled (pure sampling: top_k = 0, top_p = 1)")
-    sampler: str = _f("cached", "generation backend: cached (ppokit's own decoding loop over the model's KV cache) "
-                      "or hf (transformers' model.generate); both sample the same distribution")
+    sampler: str = _f("cached", "generation backend: cached (ppokit's own decoding loop over the model's KV cache), "
+                      "hf (transformers' model.generate) or vllm (a vLLM engine on the policy's GPU, weights synced "
+                      "after each update; extra vllm, CUDA only); all sample the same distribution")
     missing_eos_penalty: float | None = _f(None, "subtracted from the score of a completion that never emitted "
                                            "the EOS token (none: no penalty), >= 0")
     # --- update ---
@@ -102,7 +103,10 @@ class LMConfig:
     std_ddof: int = _f(0, "GRPO: delta degrees of freedom of the reward std, 0 (population) or 1 (Bessel's, "
                        "TRL's)")
     drop_zero_std_groups: bool = _f(False, "GRPO: leave the groups whose G rewards are all equal out of the update "
-                                    "(DAPO's dynamic sampling, without resampling)")
+                                    "(DAPO's dynamic sampling; max_resample_rounds refills the batch)")
+    max_resample_rounds: int = _f(0, "GRPO with drop_zero_std_groups: extra generation rounds an iteration may take "
+                                  "to fill the batch with batch_prompts groups whose rewards differ (DAPO's dynamic "
+                                  "sampling); 0: train on the groups left, >= 0")
     mask_truncated_completions: bool = _f(False, "GRPO: leave completions that hit max_new_tokens without a stop "
                                           "token out of the loss (they still count in the group statistics)")
     dpo_loss: str = _f("sigmoid", "DPO: sigmoid (the paper's), ipo (squared, on length-normalized log-probs) or "
@@ -122,6 +126,10 @@ class LMConfig:
                          "loses at most this many iterations")
     tensorboard: bool = _f(True, "write TensorBoard event files (with a run dir)")
     console: bool = _f(True, "print metrics and alerts on the console (with a run dir)")
+    track: bool = _f(False, "log the metrics and the sample completions (a table) to Weights & Biases, with a run dir "
+                     "(needs pip install 'ppokit[wandb]'; WANDB_MODE=offline writes the W&B run into RUN_DIR/wandb)")
+    wandb_project: str = _f("ppokit", "Weights & Biases project of track")
+    wandb_entity: str | None = _f(None, "Weights & Biases entity (user or team) of track (none: your default)")
 
     # ---------------------------------------------------------------- derived sizes
     @property
@@ -168,6 +176,11 @@ class LMConfig:
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
              f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         need(self.sampler in SAMPLERS, "sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.sampler == "vllm":
+            from ppokit.lm.vllm_generator import vllm_problem  # torch: not at import (--help)
+
+            problem = vllm_problem(self.device)
+            need(problem is None, "sampler", problem or "")
         need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
              f"must be one of {', '.join(SCALE_REWARDS)}, got {self.scale_rewards!r}")
         from ppokit.lm.losses import DPO_LOSSES, IS_LEVELS, LOSS_TYPES, LOSSES  # torch: not at import (--help)
@@ -189,6 +202,9 @@ class LMConfig:
              "reinforce++ normalizes over the batch (Hu et al. 2025), not per group: set scale_rewards to batch "
              "(or none)")
         need(self.std_ddof in (0, 1), "std_ddof", f"must be 0 or 1, got {self.std_ddof!r}")
+        need(self.max_resample_rounds >= 0, "max_resample_rounds", f"must be >= 0, got {self.max_resample_rounds}")
+        need(self.max_resample_rounds == 0 or self.drop_zero_std_groups, "max_resample_rounds",
+             "resamples the groups drop_zero_std_groups leaves out: set drop_zero_std_groups too")
         need(self.dpo_loss in DPO_LOSSES, "dpo_loss", f"must be one of {', '.join(DPO_LOSSES)}, got {self.dpo_loss!r}")
         need(0 <= self.label_smoothing < 0.5, "label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
         need(self.label_smoothing == 0 or self.dpo_loss == "sigmoid", "label_smoothing",
@@ -202,6 +218,14 @@ class LMConfig:
         need(self.num_minibatches <= self.rollout_size, "num_minibatches",
              f"{self.num_minibatches} minibatches cannot split {self.rollout_size} completions (batch_prompts * "
              f"group_size); use at most {self.rollout_size}")
+        from ppokit.config.wandb_names import project_name_problem
+
+        project_problem = project_name_problem(self.wandb_project)
+        need(project_problem is None, "wandb_project", project_problem or "")
+        if self.track:
+            from ppokit.runtime.wandb_sink import require_wandb
+
+            require_wandb()
         from ppokit.config.resources import check_device
 
         check_device(self.device)

@@ -166,10 +166,15 @@ class LMRunLifecycle:
                                                                             if self.run_info else {})}
         (self.run_dir / RUN_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         planned = max(1, getattr(self, "_planned", self.iteration))
+        sinks = []
+        if cfg.track:  # the Gymnasium trainer's W&B sink (training.build.make_logger); rank 0 only, as above
+            from ppokit.runtime.wandb_sink import WandbSink
+
+            sinks.append(WandbSink(self.run_dir, cfg.to_dict(), cfg.wandb_project, cfg.wandb_entity))
         self.logger = MetricsLogger(self.run_dir, total_timesteps=planned * cfg.rollout_size,
                                     log_every=cfg.log_every, tensorboard=cfg.tensorboard, console=cfg.console,
                                     hparams=None if self._resumed_at is not None else cfg.to_dict(),
-                                    resume_step=self._resumed_at)
+                                    resume_step=self._resumed_at, sinks=sinks)
 
     def close(self) -> None:
         """Flush and close the run dir's sinks and release its lock (idempotent)."""

@@ -1,6 +1,6 @@
 """Sampling completions: a small ``Generator`` interface and its Hugging Face ``generate`` backend.
 
-Two backends: ``sampling.CachedSampler`` (ppokit's own decoding loop over the model's KV cache; the default,
+The backends: ``sampling.CachedSampler`` (ppokit's own decoding loop over the model's KV cache; the default,
 ``LMConfig.sampler="cached"``) and ``HFGenerator`` here (``model.generate``, ``sampler="hf"``). Both sample the same
 distribution; for one seed they draw different samples.
 
@@ -8,7 +8,8 @@ The learner only needs response token ids; it recomputes every log-probability i
 backend is free to sample any way it likes as long as it samples the *plain tempered distribution*
 ``softmax(logits / temperature)``. Anything else (top-k, top-p, a repetition penalty, a minimum length) samples
 from a distribution other than the one the ratio's denominator pi_old is computed from, which is TRL's negative-KL
-bug (trl#235, trl#925). A vLLM backend can be added later by implementing ``Generator``; nothing else changes.
+bug (trl#235, trl#925). A third backend, ``vllm_generator.VLLMGenerator`` (``sampler="vllm"``), implements the same
+interface; ``backends.make_generator`` builds the one a config names.
 """
 
 from __future__ import annotations

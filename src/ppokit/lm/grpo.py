@@ -4,6 +4,8 @@ Each iteration:
 
 1. Rollout: ``batch_prompts`` prompts x G = ``group_size`` completions each (rows ``p*G .. p*G + G-1`` are
    prompt ``p``'s group), log-probs under pi_old and, when ``beta > 0``, pi_ref (``beta = 0`` loads no reference).
+   With ``drop_zero_std_groups`` and ``max_resample_rounds``, more rounds of prompts are sampled until the batch
+   holds ``batch_prompts`` groups whose rewards differ (DAPO's dynamic sampling, ``dynamic_sampling``).
 2. Advantages per completion: ``(r - mean_group) / (std_group + eps)`` (``scale_rewards="group"``), the batch's
    std instead (``"batch"``; Dr. GRPO's argument against the per-group std, Liu et al. 2025), or not scaled
    (``"none"``), the same advantage on every token of the completion. A group whose rewards are all equal has
@@ -29,9 +31,10 @@ from ppokit.core.advantages import SPREAD_ULPS
 from ppokit.core.reductions import reduce
 from ppokit.lm.base import LMTrainer, adamw
 from ppokit.lm.config import ConfigError, LMConfig
+from ppokit.lm.dynamic_sampling import fill_groups
 from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.losses import get_loss, reduce_tokens, settings_for
-from ppokit.lm.rollout import TokenBatch
+from ppokit.lm.rollout import Sampled, TokenBatch
 from ppokit.lm.step import TokenStep
 from ppokit.update.epochs import UpdateSettings, ppo_epochs
 
@@ -53,6 +56,8 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"group_advantages: {tuple(rewards.shape)} rewards do not split into groups of {group_size}")
+    if rewards.numel() == 0:  # every group dropped (drop_zero_std_groups): nothing to centre
+        return rewards.float(), torch.zeros(0, dtype=torch.bool)
     r = rewards.float().view(-1, group_size)  # [P, G]
     std_g, mean_g = torch.std_mean(r, dim=1, correction=ddof, keepdim=True)
     spread = std_g if ddof == 0 else r.std(dim=1, correction=0, keepdim=True)
@@ -126,13 +131,31 @@ class GRPOTrainer(LMTrainer):
         self._tokens_per_minibatch = max(float(b.response_mask.sum()), 1.0) / minibatches
         return b
 
+    def _rollout(self) -> tuple[Sampled, Sampled, int, int]:
+        """One iteration's rollout: ``(sampled, generated, rounds, dropped)``, the completions the advantages and
+        the update use, every completion sampled, the extra rounds and the zero-std groups dropped. With
+        ``max_resample_rounds`` it is DAPO's dynamic sampling (``dynamic_sampling.fill_groups``); without, one round.
+        """
+        cfg = self.config
+
+        def one_round() -> Sampled:
+            # Data-parallel: every rank draws the same prompts and generates for its share (whole groups).
+            prompts = [p for p in self.dist.shard(self.prompts.take(cfg.batch_prompts)) for _ in range(cfg.group_size)]
+            return self._sample(prompts, with_ref=self.has_reference, storage=self.storage)
+
+        first = one_round()
+        if not (cfg.drop_zero_std_groups and cfg.max_resample_rounds):
+            return first, first, 0, 0
+        out = fill_groups(first, one_round, lambda r: group_advantages(r, cfg.group_size, "none")[1],
+                          cfg.group_size, cfg.max_resample_rounds, self.sampling.pad_token_id)
+        self._last_sampled = out.generated  # completions.jsonl shows what was sampled, every round
+        return out.train, out.generated, out.rounds, out.dropped
+
     def step(self) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
-        # 1. Rollout: G completions per prompt, consecutive rows.
-        # Data-parallel: every rank draws the same prompts and generates for its share (whole groups).
-        prompts = [p for p in self.dist.shard(self.prompts.take(cfg.batch_prompts)) for _ in range(cfg.group_size)]
-        s = self._sample(prompts, with_ref=self.has_reference, storage=self.storage)
+        # 1. Rollout: G completions per prompt, consecutive rows (several rounds with dynamic sampling).
+        s, g, rounds, dropped = self._rollout()
         b = s.batch
         t_rollout = time.perf_counter() - started
         # 2. Group-relative advantages, the same on every token of a completion.
@@ -142,6 +165,8 @@ class GRPOTrainer(LMTrainer):
         b.advantages = adv.to(b.logp_old.device)[:, None].expand_as(b.logp_old).contiguous()
         mask = b.response_mask
         train = self._update_batch(b, s.has_eos, zero_std)
+        if cfg.drop_zero_std_groups and not cfg.max_resample_rounds:
+            dropped = int(zero_std.sum())
         kl_seq = (float("nan") if b.logp_ref is None
                   else float(torch.where(mask, b.logp_old - b.logp_ref, 0.0).sum(-1).mean()))
         # 3. K epochs of minibatches.
@@ -161,19 +186,26 @@ class GRPOTrainer(LMTrainer):
         extra = step.extra_means()
         t_update = time.perf_counter() - t0
         self.iteration += 1
-        self.completions += len(b) * self.dist.world_size
+        self.completions += len(g.completions) * self.dist.world_size
+        # The rollout's own numbers describe every completion sampled (all rounds of dynamic sampling), not only
+        # the groups kept for the update, which are biased towards the prompts the policy is unsure of.
+        gb, n_groups = g.batch, len(g.completions) // cfg.group_size
         metrics = {
-            S.SCORE_MEAN: float(b.scores.mean()), S.SCORE_STD: float(b.scores.std(unbiased=False)),
-            S.LM_REWARD_MEAN: float(s.raw_scores.mean()),
-            **{S.reward_term(name): float(v.mean()) for name, v in s.reward_terms.items()},
+            S.SCORE_MEAN: float(gb.scores.mean()), S.SCORE_STD: float(gb.scores.std(unbiased=False)),
+            S.LM_REWARD_MEAN: float(g.raw_scores.mean()),
+            **{S.reward_term(name): float(v.mean()) for name, v in g.reward_terms.items()},
             S.KL_REF: kl_seq, S.KL_REF_TOKEN: extra.get("kl_ref_token", float("nan")),
-            S.RESPONSE_LENGTH: float(mask.sum(-1).float().mean()), S.EOS_FRAC: float(s.has_eos.float().mean()),
-            S.DISTINCT_FRAC: len(set(s.completions)) / len(s.completions),
-            S.FRAC_REWARD_ZERO_STD: float(zero_std.float().mean()),
+            S.RESPONSE_LENGTH: float(gb.response_mask.sum(-1).float().mean()),
+            S.EOS_FRAC: float(g.has_eos.float().mean()),
+            S.DISTINCT_FRAC: len(set(g.completions)) / len(g.completions),
+            S.FRAC_REWARD_ZERO_STD: (dropped / n_groups if cfg.max_resample_rounds
+                                     else float(zero_std.float().mean())),
+            S.RESAMPLE_ROUNDS: float(rounds), S.DROPPED_GROUPS: float(dropped),
+            S.TRAIN_GROUPS: float(len(train) // cfg.group_size),
             S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"]),
             S.POLICY_LOSS: update["policy_loss"], S.ENTROPY: update["entropy"], S.APPROX_KL: update["approx_kl"],
             S.APPROX_KL_K1: update["approx_kl_k1"], S.CLIPFRAC: update["clipfrac"], S.GRAD_NORM: update["grad_norm"],
-            S.ADVANTAGE_STD: float(adv.std(unbiased=False)),
+            S.ADVANTAGE_STD: float(adv.std(unbiased=False)) if len(adv) else float("nan"),
             S.EPOCHS_RUN: update["epochs_run"], S.EARLY_STOPPED: update["early_stopped"],
             S.MINIBATCHES: update["minibatches"], S.SKIPPED_MINIBATCHES: update["skipped_minibatches"],
         }

@@ -558,6 +558,13 @@ class MetricsLogger:
             sink.write(step, metrics)
         self.console.write(step, metrics)
 
+    def table(self, step: int, tag: str, rows: list[dict[str, Any]]) -> None:
+        """Rows of text and numbers (e.g. sample completions) to the sinks that keep tables (``table(step, tag,
+        rows)``: W&B); the CSV, TensorBoard and the console have no tables and are left alone."""
+        for sink in self.sinks:
+            if hasattr(sink, "table"):
+                sink.table(step, tag, rows)
+
     def alert(self, step: int, level: str, name: str, message: str, data: Any = None) -> dict[str, Any]:
         """Record an alert in alerts.jsonl, TensorBoard text ``alerts/<name>``, the console and ``self.alerts``."""
         record = {

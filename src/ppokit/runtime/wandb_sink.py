@@ -2,7 +2,8 @@
 
 The sink has the interface of the logger's other sinks (``write(step, metrics)``, ``close()``): each update's
 ``metrics.csv`` row is one ``wandb.log`` call at the run's env step, NaN/Inf left out (a gap, as TensorBoard
-shows it); each alert is marked in the history as ``alerts/<name>`` = 1 at its step. The W&B run
+shows it); each alert is marked in the history as ``alerts/<name>`` = 1 at its step; ``table`` logs rows
+(an LM run's sample completions) as a ``wandb.Table``. The W&B run
 lives in ``RUN_DIR/wandb`` (its name is the run dir's, its group too, so a resumed run's second W&B run sits
 beside the first; its config is the run's ``PPOConfig``). ``WANDB_MODE=offline`` writes it there without a
 network (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later), as W&B itself documents.
@@ -68,6 +69,15 @@ class WandbSink:
             if math.isfinite(value):
                 row[key] = value
         self._run.log(row)
+
+    def table(self, step: int, key: str, rows: list[dict[str, Any]]) -> None:
+        """Log ``rows`` as one ``wandb.Table`` under ``key`` at env step ``step`` (the columns: every row's keys, in
+        the order they first appear; a row without a column gets None there)."""
+        import wandb
+
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        self._run.log({"global_step": int(step),
+                       key: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])})
 
     def alert(self, step: int, level: str, name: str) -> None:
         """Mark an alert in the history (``alerts/<name>`` = 1 at its step)."""
