@@ -97,10 +97,13 @@ def test_evaluate_sequence_replays_exactly_what_act_computed(cell, critic, kind,
     assert torch.equal(logp_new.detach(), logp)
     torch.testing.assert_close(values_new.detach(), values, rtol=0, atol=1e-6)
     assert torch.isfinite(entropy).all() and logp_new.requires_grad
-    # Both replays (one padded call over the stretches between resets, or one step at a time) agree bit for bit.
+    # Both replays (one padded call over the stretches between resets, or one step at a time) compute the same
+    # numbers, but not bit for bit on every CPU: on one CI machine the LSTM stepped with gradients on differed in
+    # the last bits from the same cells over whole stretches (equal bit for bit here), while the padded call still
+    # equalled act's bit for bit (the assertion above, which the trainer's first ratio rests on).
     feats = policy.trunk(obs.reshape(L * N, 3)).reshape(L, N, -1)
     for a, b in zip(_segments(policy, feats, state0, starts), _stepped(policy, feats, state0, starts)):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_evaluate_sequence_differs_when_the_chunk_starts_from_another_state():

@@ -18,7 +18,8 @@ chunk's initial state is a row gather): ``k`` = 2 per LSTM core (h, c), 1 per GR
 It starts at zeros (``initial_state``) and is zeroed where ``episode_start`` is True before the step.
 
 ``evaluate_sequence`` replays chunks of env sequences in order from their stored initial state, restarting the
-state at every episode start inside a chunk. Two ways compute the same numbers (bit for bit in the tests):
+state at every episode start inside a chunk. Two ways compute the same numbers (to the last bits: on one CI
+machine's CPU the stepped LSTM with gradients on rounded differently from the padded call, which matched act's):
 ``_segments`` makes every stretch between resets its own sequence of one zero-padded ``nn.LSTM``/``nn.GRU`` call;
 ``_stepped`` steps the core once per step with the resets masked in (sb3-contrib's way). Measured on this
 machine's CPU (one thread, CPU time of forward + backward, LSTM 64 units over 2 inputs, separate critic, heads of
