@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -155,6 +156,8 @@ def recurrent_worker(lib: str, seed: int, steps: int, device: str) -> dict:
 
     cfg = load_preset("cartpole-novel")
     cfg.seed, cfg.total_timesteps, cfg.tensorboard = seed, steps, False
+    # Equal work on both sides: every step trained, no evaluations (the preset's gate would stop a solved run).
+    cfg.eval_every, cfg.eval_threshold = 0, None
     if lib == "sb3":
         from sb3_contrib import RecurrentPPO
         from torch import nn
@@ -189,13 +192,18 @@ def run_mujoco(lib: str, env_id: str, seed: int, steps: int, device: str) -> dic
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", lib, "--worker-env", env_id, "--seed-one",
            str(seed), "--steps", str(steps), "--device", device]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"{lib} on {env_id} failed:\n{proc.stderr[-2000:]}")
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return {**json.loads(line[len("RESULT "):]), "process": wall}
+    # The child's CPU seconds (user + system), whole process: on a machine other work shares, wall time measures
+    # the load as much as the library, while one-threaded CPU time stays the library's own.
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {**json.loads(line[len("RESULT "):]), "process": wall, "cpu": cpu}
 
 
 def compare_mujoco(env_ids: list[str], seeds: list[int], steps: int, device: str, have_sb3: bool) -> dict:
@@ -321,17 +329,20 @@ def _compare_recurrent(seeds: list[int], steps: int, device: str) -> tuple[float
         for lib in (libs if i % 2 == 0 else libs[::-1]):
             r = run_mujoco(lib, RECURRENT_ENV, seed, steps, device)
             res.setdefault(lib, []).append(r)
-            rows.append([lib, seed, r["steps"], r["process"], r["steps"] / r["process"], r["steps"] / r["loop"]])
-            print(f"  recurrent: {lib} seed {seed}: {r['process']:.1f} s whole process, "
+            rows.append([lib, seed, r["steps"], r["process"], r["cpu"], r["steps"] / r["process"],
+                         r["steps"] / r["cpu"], r["steps"] / r["loop"]])
+            print(f"  recurrent: {lib} seed {seed}: {r['process']:.1f} s whole process ({r['cpu']:.1f} s CPU), "
                   f"{r['steps'] / r['loop']:,.0f} steps/s (loop)", flush=True)
     print()
     print(f"## Recurrent PPO (LSTM 64), RL-Zoo's ppo_lstm settings on {RECURRENT_ENV}")
-    print(C.table(["library", "seed", "env steps", "whole process s", "steps/s (whole process)", "steps/s (loop)"],
-                  rows))
+    print(C.table(["library", "seed", "env steps", "whole process s", "whole process CPU s",
+                   "steps/s (whole process)", "steps/CPU s (whole process)", "steps/s (loop)"], rows))
     if "sb3" not in res:
         return None
     med = {lib: (C.median([r["steps"] / r["process"] for r in res[lib]]),
-                 C.median([r["steps"] / r["loop"] for r in res[lib]])) for lib in libs}
+                 C.median([r["steps"] / r["loop"] for r in res[lib]]),
+                 C.median([r["steps"] / r["cpu"] for r in res[lib]])) for lib in libs}
+    print(f"RATIO ppokit/sb3-contrib steps per CPU second, whole process: {med['ppokit'][2] / med['sb3'][2]:.2f}x")
     return med["ppokit"][0] / med["sb3"][0], med["ppokit"][1] / med["sb3"][1]
 
 

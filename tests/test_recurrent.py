@@ -280,7 +280,9 @@ def test_the_preset_is_rl_zoos_cartpolenovel_settings():
                     update_epochs=20, gamma=0.98, gae_lambda=0.8, learning_rate=1e-3, anneal_lr=True,
                     clip_coef=0.2, anneal_clip=True, ent_coef=0.0, normalize_obs=True, normalize_reward=True,
                     recurrent="lstm", recurrent_hidden=64, recurrent_critic="separate", activation="relu",
-                    hidden_sizes=[64], ortho_init=False, total_timesteps=100_000)
+                    hidden_sizes=[64], ortho_init=False, total_timesteps=100_000,
+                    # RL-Zoo's EvalCallback (best model kept) as the evaluation gate, stopping at the time limit
+                    eval_every=10, eval_episodes=10, eval_threshold=500.0)
     assert {k: getattr(cfg, k) for k in expected} == expected
     assert cfg.batch_size == 256
     cfg.validate()

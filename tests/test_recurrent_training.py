@@ -139,20 +139,3 @@ def test_a_resumed_recurrent_run_continues_bit_for_bit(tmp_path):
     for (name, a), b in zip(full.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), name
     assert _rows(cut.run_dir / "metrics.csv") == _rows(full.run_dir / "metrics.csv")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
-def test_the_cartpole_novel_preset_balances_the_pole_without_velocities(seed, tmp_path):
-    """RL-Zoo's ppo_lstm settings for CartPoleNoVel-v1 (the cartpole-novel preset), 100k steps, learn to balance
-    the pole without seeing a velocity.
-
-    Measured on one machine (seeds 1-6, 10 episodes each): 356.6, 500, 500, 500, 500, 203.6, so four seeds in six
-    reach the time limit (RL-Zoo reports 500) and the worst still holds the pole 200 steps. Other CPUs round
-    differently and draw other trajectories, so the bound is 150 for every seed, not 475 (seed 1 passed 475 on
-    one machine and failed it on another)."""
-    cfg = load_preset("cartpole-novel")
-    cfg.seed, cfg.tensorboard, cfg.run_dir = seed, False, str(tmp_path / "run")
-    run = ppokit.train(cfg, console_enabled=False)
-    result = ppokit.evaluate(ppokit.load(run.run_dir), episodes=10)
-    assert result["mean"] >= 150, result
