@@ -36,7 +36,7 @@ from ppokit.lm.config import LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
-from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.logprobs import in_micro_batches, token_logprobs
 from ppokit.lm.prompts import PromptSource
 from ppokit.lm.rewards import make_reward
 from ppokit.lm.rollout import Sampled, sample
@@ -187,13 +187,13 @@ class LMTrainer(LMRunLifecycle):
 
     def ref_logprobs(self, input_ids: Tensor, attention_mask: Tensor, n_response: int,
                      temperature: float | None = None) -> Tensor:
-        """``[B, R]`` log pi_ref of the response tokens (no gradient)."""
+        """``[B, R]`` log pi_ref of the response tokens (no gradient; over ``micro_batch_size`` rows at a time)."""
         t = self.config.temperature if temperature is None else temperature
-        with torch.no_grad():
-            if self._adapter_ref:
-                with self.policy.disable_adapter():
-                    return token_logprobs(self.policy, input_ids, attention_mask, n_response, t)[0]
-            return token_logprobs(self.ref_model, input_ids, attention_mask, n_response, t)[0]
+        model = self.policy if self._adapter_ref else self.ref_model
+        adapter_off = self.policy.disable_adapter() if self._adapter_ref else contextlib.nullcontext()
+        with torch.no_grad(), adapter_off:
+            return in_micro_batches(lambda i, a: token_logprobs(model, i, a, n_response, t)[0],
+                                    self.config.micro_batch_size, input_ids, attention_mask)
 
     @contextlib.contextmanager
     def _training_mode(self) -> Iterator[None]:
@@ -241,7 +241,7 @@ class LMTrainer(LMRunLifecycle):
                          self.reward if reward else None, self.device,
                          ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
                          value_fn=value_fn, missing_eos_penalty=self.config.missing_eos_penalty,
-                         storage=storage)
+                         storage=storage, micro_batch_size=self.config.micro_batch_size)
         if rng == "train":
             self._last_sampled = out  # the iteration's completions, for completions.jsonl (_finish)
         return out
@@ -275,7 +275,8 @@ class LMTrainer(LMRunLifecycle):
             for i in range(0, len(repeated), self.config.rollout_size):
                 s = sample(self.policy.eval(), self.tokenizer, self.backend, repeated[i:i + self.config.rollout_size],
                            self.sampling, self.reward, self.device,
-                           missing_eos_penalty=self.config.missing_eos_penalty)
+                           missing_eos_penalty=self.config.missing_eos_penalty,
+                           micro_batch_size=self.config.micro_batch_size)
                 raw.append(s.raw_scores)
                 scores.append(s.batch.scores.cpu())
                 lengths.append(s.batch.response_mask.sum(-1).cpu() - s.has_eos.long())

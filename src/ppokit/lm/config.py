@@ -119,6 +119,11 @@ class LMConfig:
     offload_rollout: bool = _f(False, "keep rollout tensors (log-probs, masks, values) in CPU memory and move them "
                                "to the device per minibatch")
     gradient_checkpointing: bool = _f(False, "enable the model's gradient checkpointing during the update")
+    micro_batch_size: int | None = _f(None, "rows per forward pass: the no-gradient passes (pi_old, pi_ref, values, a "
+                                      "reward model) run in chunks of this many sequences and every update step "
+                                      "accumulates the gradients of its minibatch over them, each weighted by its "
+                                      "share of the loss's normalizer (the same gradient as one pass); none: the "
+                                      "whole batch at once, > 0")
     # --- output ---
     log_every: int = _f(10, "print a metrics table every this many iterations (with a run dir)")
     save_every: int = _f(10, "with a run dir, write a resumable checkpoint (trainer_state.pt and policy/) every "
@@ -149,6 +154,9 @@ class LMConfig:
         for name in ("torch_threads", "batch_prompts", "group_size", "max_new_tokens", "update_epochs",
                      "num_minibatches", "log_every", "save_every", "kl_horizon"):
             need(getattr(self, name) >= 1, name, f"must be a positive integer, got {getattr(self, name)!r}")
+        if self.micro_batch_size is not None:
+            need(self.micro_batch_size >= 1, "micro_batch_size",
+                 f"must be a positive integer or none, got {self.micro_batch_size!r}")
         need(0 <= self.seed <= _SEED_MAX, "seed", f"must be in [0, {_SEED_MAX}], got {self.seed}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -25,7 +25,7 @@ from ppokit.core import schema as S
 from ppokit.lm.base import LMTrainer
 from ppokit.lm.checks import check_pairs_context
 from ppokit.lm.data import numbered_rows, to_pair
-from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.logprobs import micro_slices, token_logprobs
 from ppokit.lm.losses import LossSettings, get_loss
 from ppokit.lm.rollout import encode_prompts
 
@@ -149,13 +149,27 @@ class DPOTrainer(LMTrainer):
         # Data-parallel: every rank draws the same pairs and trains on its share.
         pairs = self.dist.shard(self._next_pairs(cfg.batch_prompts))
         n = len(pairs)
-        ref, _ = self.token_logprobs(pairs, reference=True)
+        ids, mask, R = encode_pairs(self.tokenizer, pairs, self.sampling.pad_token_id, self.sampling.eos_token_id,
+                                    self.device)
+        ref = self.ref_logprobs(ids, mask, R, temperature=1.0)
+        resp_mask = mask[:, -R:].bool()
+        settings = LossSettings(beta=cfg.beta, dpo_loss=cfg.dpo_loss, label_smoothing=cfg.label_smoothing)
+        # Micro-batches of pairs (a pair's chosen row i and rejected row n + i stay together): the loss and its
+        # statistics are means over the pairs, so each part weighs its share of them (the one pass's gradient).
+        loss = torch.zeros((), device=self.device)
+        stats: dict[str, Tensor] = {}
+        self.optimizer.zero_grad(set_to_none=False)
         with self._training_mode():
-            logp, resp_mask = self.token_logprobs(pairs)
-            settings = LossSettings(beta=cfg.beta, dpo_loss=cfg.dpo_loss, label_smoothing=cfg.label_smoothing)
-            loss, stats = get_loss("dpo")(logp, None, ref, None, resp_mask, settings)
-            self.optimizer.zero_grad(set_to_none=False)
-            loss.backward()
+            for part in micro_slices(n, cfg.micro_batch_size):
+                idx = torch.arange(n, device=self.device)[part]
+                rows = torch.cat([idx, idx + n])
+                share = len(idx) / n
+                logp, _ = token_logprobs(self.policy, ids[rows], mask[rows], R, 1.0)
+                part_loss, part_stats = get_loss("dpo")(logp, None, ref[rows], None, resp_mask[rows], settings)
+                (share * part_loss).backward()
+                loss = loss + share * part_loss.detach()
+                for name, v in part_stats.items():
+                    stats[name] = stats.get(name, 0.0) + share * v
         params = self.trainable_parameters()
         if self.dist.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
             self.dist.sync([p.grad for p in params if p.grad is not None], [loss.detach()])
