@@ -139,3 +139,50 @@ def test_micro_batch_size_must_be_a_positive_integer():
     with pytest.raises(ConfigError, match="micro_batch_size"):
         LMConfig(micro_batch_size=2.5).validate()
     assert LMConfig(micro_batch_size=5).validate().micro_batch_size == 5
+
+
+def test_no_full_vocabulary_tensor_larger_than_a_micro_batch_is_saved_for_the_backward(base):
+    model, tok = base
+    cfg = LMConfig(batch_prompts=2, group_size=2, max_new_tokens=R, beta=0.1)
+    t = GRPOTrainer(copy.deepcopy(model), tok, reward=_reward, prompts=PROMPTS, config=cfg)
+    b = _batch(t.policy, tok, with_values=False)
+    V = t.policy.get_output_embeddings().weight.shape[0]
+    largest = {}
+    for micro in (None, 2):
+        rows = []
+
+        def pack(x):
+            if x.dim() == 3 and x.shape[1:] == (R, V):  # the logits of the response tokens, [rows, R, V]
+                rows.append(x.shape[0])
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            _grads(t, b, micro)
+        largest[micro] = max(rows)
+    assert largest[None] == ROWS and largest[2] == 2
+
+
+def test_a_reward_model_scores_in_micro_batches_as_in_one_call():
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from ppokit.lm.reward_models import RewardModel
+    from ppokit.lm.rewards import make_reward
+
+    tok = build_char_tokenizer(ALPHABET)
+    torch.manual_seed(0)
+    rm = GPT2ForSequenceClassification(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=16, n_layer=1, n_head=2,
+                                                  num_labels=1, pad_token_id=tok.pad_token_id)).eval()
+    calls = []
+    forward = rm.forward
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    rm.forward = counted
+    prompts, completions = ["AB:", "C:", "DEF:", "G:", "H:"], ["A", "BBB", "C", "", "DDDDD"]
+    whole = make_reward(RewardModel(rm, tok), tok)(prompts, completions, {})
+    assert calls == [5]
+    chunked = make_reward(RewardModel(rm, tok), tok, micro_batch_size=2)(prompts, completions, {})
+    assert calls[1:] == [2, 2, 1]
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
