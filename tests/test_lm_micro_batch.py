@@ -151,7 +151,7 @@ def test_no_full_vocabulary_tensor_larger_than_a_micro_batch_is_saved_for_the_ba
     for micro in (None, 2):
         rows = []
 
-        def pack(x):
+        def pack(x, rows=rows):
             if x.dim() == 3 and x.shape[1:] == (R, V):  # the logits of the response tokens, [rows, R, V]
                 rows.append(x.shape[0])
             return x
