@@ -37,6 +37,7 @@ from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, token_logprobs
+from ppokit.lm.precision import Precision, float32_master_weights
 from ppokit.lm.prompts import PromptSource
 from ppokit.lm.rewards import make_reward
 from ppokit.lm.rollout import Sampled, sample
@@ -115,7 +116,13 @@ class LMTrainer(LMRunLifecycle):
         self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed, tokenizer)
         self._check_inputs(model, ref_model)
         self.policy = model.to(self.device)
-        warn_half_precision([p for p in self.policy.parameters() if p.requires_grad])
+        # bf16 / fp16: autocast forwards over float32 master weights (``precision``); fp32 with half-precision
+        # trainable weights trains them in half precision, which stalls: warned.
+        self.precision = Precision(cfg.dtype, self.device)
+        if self.precision.enabled:
+            float32_master_weights(self.policy)
+        else:
+            warn_half_precision([p for p in self.policy.parameters() if p.requires_grad])
         disable_dropout(self.policy)
         if cfg.fused_activations:  # before pi_ref and the value model are copied from it
             fuse_activations(self.policy)
@@ -205,6 +212,36 @@ class LMTrainer(LMRunLifecycle):
         finally:
             self.policy.eval()
 
+    def _apply(self, parts: Iterator[Tensor]) -> tuple[float, float, bool]:
+        """One optimizer step of the trainers without epochs (DPO, SFT, the reward model): the backward of each
+        micro-batch's weighted loss as ``parts`` yields it (its forward under the autocast of ``dtype``; one
+        micro-batch's graph alive at a time), the norm clip, the step, skipped when the loss or the gradient is
+        not finite (the epoch loop's guard). Returns ``(loss, grad_norm, skipped)``, the loss the parts' sum."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = torch.zeros((), device=self.device)
+        while True:
+            with self.precision.autocast():
+                part = next(parts, None)
+            if part is None:
+                break
+            self.precision.backward(part)
+            loss = loss + part.detach().float()
+        params = self.trainable_parameters()
+        if self.dist.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
+            self.dist.sync([p.grad for p in params if p.grad is not None], [loss])
+        self.precision.unscale(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        loss_v, grad_v = torch.stack([loss, grad_norm.float()]).tolist()
+        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=False)
+            self.precision.skipped()
+        else:
+            self.precision.step(self.optimizer)
+        self.iteration += 1
+        return loss_v, grad_v, skipped
+
     # ---------------------------------------------------------------- sampling
     @contextlib.contextmanager
     def _rng(self, which: str) -> Iterator[None]:
@@ -236,7 +273,7 @@ class LMTrainer(LMRunLifecycle):
             check_context(self.tokenizer, self.policy, list(dict.fromkeys(prompts)), self.config.max_new_tokens,
                           where="this iteration's prompts")
         self.policy.eval()
-        with self._rng(rng):
+        with self._rng(rng), self.precision.autocast():
             out = sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
                          self.reward if reward else None, self.device,
                          ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
@@ -271,7 +308,7 @@ class LMTrainer(LMRunLifecycle):
             raise ValueError(f"evaluate: n must be a positive integer (completions per prompt), got {n!r}")
         repeated = [p for p in prompts for _ in range(n)]
         raw, scores, lengths, eos, texts = [], [], [], [], []
-        with self._rng("eval"):
+        with self._rng("eval"), self.precision.autocast():
             for i in range(0, len(repeated), self.config.rollout_size):
                 s = sample(self.policy.eval(), self.tokenizer, self.backend, repeated[i:i + self.config.rollout_size],
                            self.sampling, self.reward, self.device,
@@ -366,6 +403,7 @@ class LMTrainer(LMRunLifecycle):
             "optimizer": self.optimizer.state_dict(),
             **(self._cursor() if cursor is None else cursor),
             "ref_fingerprint": self._ref_fingerprint,
+            "grad_scaler": self.precision.state_dict(),  # fp16's loss scale (None otherwise)
             # The live alerts' cooldowns and windows, so that a resumed run alerts as an unbroken one would.
             "alerts": {"monitor": self.monitor.state_dict(), "lm": self.lm_alerts.state_dict()},
             **self._extra_state(),
@@ -428,6 +466,7 @@ class LMTrainer(LMRunLifecycle):
             for name, value in state["policy"].items():
                 params[name].copy_(value.to(params[name].device))
         trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.precision.load_state_dict(state.get("grad_scaler"))
         trainer.iteration, trainer.completions = int(state["iteration"]), int(state["completions"])
         set_rng_state(state["rng"])
         trainer._sample_state = state["sample_rng"].clone()

@@ -178,7 +178,7 @@ def warn_half_precision(parameters: Sequence[Any]) -> str | None:
     if not half:
         return None
     message = (f"trainable parameters are {', '.join(half)}: the optimizer updates them in half precision, where "
-               "small steps round away and training stalls; load the model in float32 (from_pretrained(..., "
-               "dtype=torch.float32))")
+               "small steps round away and training stalls; set dtype bf16 (--dtype bf16: autocast over float32 master "
+               "weights) or load the model in float32 (from_pretrained(..., dtype=torch.float32))")
     warnings.warn(message, UserWarning, stacklevel=3)
     return message

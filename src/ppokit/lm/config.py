@@ -24,6 +24,7 @@ from ppokit.lm.backends import SAMPLERS
 __all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
 
 KL_ESTIMATORS = ("k1", "k3")
+DTYPES = ("fp32", "bf16", "fp16")  # the keys of ppokit.lm.precision.DTYPES
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 _SEED_MAX = 2**32 - 1
@@ -41,6 +42,8 @@ class LMConfig:
     seed: int = _f(1, f"random seed (sampling, minibatch order, prompt order), in [0, {_SEED_MAX}]")
     device: str = _f("cpu", "torch device of the models: cpu, cuda, cuda:N or mps")
     torch_threads: int = _f(1, "torch intra-op threads")
+    dtype: str = _f("fp32", "precision of the forward passes: bf16 or fp16 run them under torch.autocast with the "
+                    "trainable weights kept float32 (master weights; fp16 with a GradScaler), fp32 without autocast")
     # --- optimizer ---
     learning_rate: float = _f(1e-5, "AdamW learning rate of the policy (and of the value model), in [0, 1]")
     weight_decay: float = _f(0.0, "AdamW weight decay, in [0, 1]")
@@ -237,6 +240,11 @@ class LMConfig:
         from ppokit.config.resources import check_device
 
         check_device(self.device)
+        need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        from ppokit.lm.precision import autocast_problem
+
+        problem = autocast_problem(self.device, self.dtype)
+        need(problem is None, "dtype", problem or "")
         if not self.unsafe:
             violations = self.guard_rail_violations()
             if violations:

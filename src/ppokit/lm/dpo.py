@@ -13,10 +13,9 @@ optimizer step, skipped (and counted) when the loss or the gradient is not finit
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -151,36 +150,27 @@ class DPOTrainer(LMTrainer):
         n = len(pairs)
         ids, mask, R = encode_pairs(self.tokenizer, pairs, self.sampling.pad_token_id, self.sampling.eos_token_id,
                                     self.device)
-        ref = self.ref_logprobs(ids, mask, R, temperature=1.0)
+        with self.precision.autocast():
+            ref = self.ref_logprobs(ids, mask, R, temperature=1.0)
         resp_mask = mask[:, -R:].bool()
         settings = LossSettings(beta=cfg.beta, dpo_loss=cfg.dpo_loss, label_smoothing=cfg.label_smoothing)
-        # Micro-batches of pairs (a pair's chosen row i and rejected row n + i stay together): the loss and its
-        # statistics are means over the pairs, so each part weighs its share of them (the one pass's gradient).
-        loss = torch.zeros((), device=self.device)
         stats: dict[str, Tensor] = {}
-        self.optimizer.zero_grad(set_to_none=False)
-        with self._training_mode():
+
+        def parts() -> Iterator[Tensor]:
+            # Micro-batches of pairs (a pair's chosen row i and rejected row n + i stay together): the loss and
+            # its statistics are means over the pairs, so each part weighs its share of them.
             for part in micro_slices(n, cfg.micro_batch_size):
                 idx = torch.arange(n, device=self.device)[part]
                 rows = torch.cat([idx, idx + n])
                 share = len(idx) / n
                 logp, _ = token_logprobs(self.policy, ids[rows], mask[rows], R, 1.0)
-                part_loss, part_stats = get_loss("dpo")(logp, None, ref[rows], None, resp_mask[rows], settings)
-                (share * part_loss).backward()
-                loss = loss + share * part_loss.detach()
+                loss, part_stats = get_loss("dpo")(logp, None, ref[rows], None, resp_mask[rows], settings)
                 for name, v in part_stats.items():
                     stats[name] = stats.get(name, 0.0) + share * v
-        params = self.trainable_parameters()
-        if self.dist.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
-            self.dist.sync([p.grad for p in params if p.grad is not None], [loss.detach()])
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        loss_v, grad_v = torch.stack([loss.detach(), grad_norm]).tolist()
-        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
-        if skipped:  # the same guard as the epoch loop: no NaN reaches the weights
-            self.optimizer.zero_grad(set_to_none=False)
-        else:
-            self.optimizer.step()
-        self.iteration += 1
+                yield share * loss
+
+        with self._training_mode():
+            loss_v, grad_v, skipped = self._apply(parts())
         self.completions += 2 * n * self.dist.world_size
         metrics = {
             S.POLICY_LOSS: loss_v, S.GRAD_NORM: grad_v, S.SKIPPED_MINIBATCHES: float(skipped),

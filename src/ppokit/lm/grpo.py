@@ -176,7 +176,8 @@ class GRPOTrainer(LMTrainer):
                                   num_minibatches=max(1, min(cfg.num_minibatches, len(train))),
                                   clip_coef=cfg.clip_coef, clip_vloss=False, norm_adv=False, ent_coef=cfg.ent_coef,
                                   vf_coef=0.0, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
-        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm, cfg.micro_batch_size)
+        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm, cfg.micro_batch_size,
+                         self.precision)
         with self._training_mode():
             if len(train):
                 update = ppo_epochs(train, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process

@@ -35,6 +35,7 @@ from ppokit.lm.base import LMTrainer, adamw, masked_stats
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, kl_per_token, position_ids, token_logprobs
 from ppokit.lm.losses import get_loss, settings_for
+from ppokit.lm.precision import float32_master_weights
 from ppokit.lm.rollout import TokenBatch, place_scores
 from ppokit.lm.step import WHOLE, Share, TokenStep, weigh_stats
 from ppokit.update.epochs import UpdateSettings, ppo_epochs
@@ -75,7 +76,7 @@ def response_values(value_model: nn.Module, input_ids: Tensor, attention_mask: T
     if n_response == 0:
         return input_ids.new_zeros(input_ids.shape[0], 0, dtype=torch.float32)
     values = value_model(input_ids[:, :-1], attention_mask[:, :-1])
-    return values[:, -n_response:]
+    return values[:, -n_response:].float()  # float32 under autocast too: the value loss and GAE
 
 
 def rlhf_rewards(scores: Tensor, logp_old: Tensor, logp_ref: Tensor | None, mask: Tensor, kl_coef: float,
@@ -124,6 +125,8 @@ class PPOTrainer(LMTrainer):
         cfg = self.config
         self.value_model = (value_model if value_model is not None else default_value_model(self.policy))
         self.value_model.to(self.device)
+        if self.precision.enabled:  # autocast: its trainable weights are float32 master weights too
+            float32_master_weights(self.value_model)
         from ppokit.lm.base import disable_dropout
 
         disable_dropout(self.value_model)
@@ -213,7 +216,8 @@ class PPOTrainer(LMTrainer):
                                   clip_coef=cfg.clip_coef, clip_vloss=True, norm_adv=False, ent_coef=cfg.ent_coef,
                                   vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
         self._tokens_per_minibatch = max(float(b.response_mask.sum()), 1.0) / cfg.num_minibatches  # loss_type dapo
-        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm, cfg.micro_batch_size)
+        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm, cfg.micro_batch_size,
+                         self.precision)
         with self._training_mode():
             update = ppo_epochs(b, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
         t_update = time.perf_counter() - t0

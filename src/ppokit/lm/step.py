@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ppokit.lm.logprobs import micro_slices
+from ppokit.lm.precision import Precision
 from ppokit.lm.rollout import TokenBatch
 from ppokit.update.autograd import AutogradGuards
 from ppokit.update.epochs import STAT_NAMES, MinibatchResult, UpdateSettings
@@ -89,9 +90,10 @@ class TokenStep(AutogradGuards):
     """
 
     def __init__(self, loss_fn: TokenLoss, optimizer: torch.optim.Optimizer, device: torch.device,
-                 max_grad_norm: float, micro_batch_size: int | None = None):
+                 max_grad_norm: float, micro_batch_size: int | None = None, precision: Precision | None = None):
         self.loss_fn = loss_fn
         self.micro_batch_size = micro_batch_size
+        self.precision = precision if precision is not None else Precision("fp32", device)
         self.optimizer = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.device = device
@@ -118,23 +120,29 @@ class TokenStep(AutogradGuards):
         loss_total: Tensor | None = None
         stats_total: dict[str, Tensor] = {}
         for part, share in split_micro(mb, self.micro_batch_size):
-            loss, stats = self.loss_fn(part, share)  # weighted by its share of the minibatch's normalizer
+            with self.precision.autocast():  # the forward only: the backward runs outside autocast
+                loss, stats = self.loss_fn(part, share)  # weighted by its share of the minibatch's normalizer
             # A slice without a single response token has a constant loss (no graph): its gradient is zero.
             if loss.requires_grad:
-                loss.backward()
+                self.precision.backward(loss)
             loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
             for name, v in stats.items():
                 stats_total[name] = v.detach() if name not in stats_total else stats_total[name] + v.detach()
         self._loss, self._stats = loss_total, stats_total
 
     def measure(self) -> MinibatchResult:
+        self.precision.unscale(self.optimizer)  # fp16: the true gradients before the clip and the guards
         grad_norm, loss_v, grad_v, kl_v = self.clip_and_read(self.max_grad_norm)
         stats = {name: self._stats[name] for name in STAT_NAMES if name != "grad_norm"}
         stats["grad_norm"] = grad_norm.detach()
         return MinibatchResult(loss=loss_v, grad_norm=grad_v, approx_kl=kl_v, stats=stats)
 
+    def discard(self) -> None:
+        super().discard()
+        self.precision.skipped()
+
     def apply(self, result: MinibatchResult) -> None:
-        self.optimizer.step()
+        self.precision.step(self.optimizer)
         for name, value in self._stats.items():
             if name not in STAT_NAMES:
                 self._extra_totals[name] = self._extra_totals.get(name, 0.0) + value.detach()

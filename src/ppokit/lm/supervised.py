@@ -75,28 +75,6 @@ class _RowTrainer(LMTrainer):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.consumed = int(state["rows_consumed"])
 
-    def _apply(self, parts: Iterator[Tensor]) -> tuple[float, float, bool]:
-        """Backward of each micro-batch's weighted loss as ``parts`` yields it (so one micro-batch's graph is alive
-        at a time), clip, step (skipped when not finite): ``(loss, grad_norm, skipped)``, the loss the parts' sum."""
-        cfg = self.config
-        self.optimizer.zero_grad(set_to_none=False)
-        loss = torch.zeros((), device=self.device)
-        for part in parts:
-            part.backward()
-            loss = loss + part.detach()
-        params = self.trainable_parameters()
-        if self.dist.sync is not None:
-            self.dist.sync([p.grad for p in params if p.grad is not None], [loss.detach()])
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        loss_v, grad_v = torch.stack([loss.detach(), grad_norm]).tolist()
-        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=False)
-        else:
-            self.optimizer.step()
-        self.iteration += 1
-        return loss_v, grad_v, skipped
-
     def _base_metrics(self, grad_v: float, skipped: bool) -> dict[str, float]:
         return {S.GRAD_NORM: grad_v, S.SKIPPED_MINIBATCHES: float(skipped),
                 S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"])}
