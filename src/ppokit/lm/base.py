@@ -37,6 +37,7 @@ from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, token_logprobs
+from ppokit.lm.lr_schedule import lr_factor
 from ppokit.lm.precision import Precision, float32_master_weights
 from ppokit.lm.prompts import PromptSource
 from ppokit.lm.rewards import make_reward
@@ -143,6 +144,7 @@ class LMTrainer(LMRunLifecycle):
         # Counters and random streams (all checkpointed).
         self.iteration = 0
         self.completions = 0
+        self._lr_horizon: int | None = None  # the linear / cosine schedule's iterations (set by the first train())
         self._sample_state = torch.Generator().manual_seed(self.dist.seed(cfg.seed)).get_state()
         self._cuda_sample_state: Tensor | None = None
         self._shuffle = torch.Generator(device=self.storage).manual_seed(cfg.seed + 1)
@@ -211,6 +213,18 @@ class LMTrainer(LMRunLifecycle):
             yield
         finally:
             self.policy.eval()
+
+    def _schedule_lr(self) -> None:
+        """Every param group's LR for this iteration: ``learning_rate * lr_factor(...)`` (``lr_schedule``); called
+        at the start of each ``step``. The iteration counter is the step, so a resumed run goes on where it was."""
+        cfg = self.config
+        total = cfg.schedule_iterations or self._lr_horizon
+        if total is None and cfg.lr_scheduler != "constant":
+            raise ValueError(f"lr_scheduler {cfg.lr_scheduler} decays over the run's iterations: set "
+                             "schedule_iterations, or call train(n) rather than step()")
+        lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler, self.iteration, cfg.warmup_steps, total or 0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def _apply(self, parts: Iterator[Tensor]) -> tuple[float, float, bool]:
         """One optimizer step of the trainers without epochs (DPO, SFT, the reward model): the backward of each
@@ -404,6 +418,7 @@ class LMTrainer(LMRunLifecycle):
             **(self._cursor() if cursor is None else cursor),
             "ref_fingerprint": self._ref_fingerprint,
             "grad_scaler": self.precision.state_dict(),  # fp16's loss scale (None otherwise)
+            "lr_horizon": self._lr_horizon,
             # The live alerts' cooldowns and windows, so that a resumed run alerts as an unbroken one would.
             "alerts": {"monitor": self.monitor.state_dict(), "lm": self.lm_alerts.state_dict()},
             **self._extra_state(),
@@ -467,6 +482,7 @@ class LMTrainer(LMRunLifecycle):
                 params[name].copy_(value.to(params[name].device))
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.precision.load_state_dict(state.get("grad_scaler"))
+        trainer._lr_horizon = state.get("lr_horizon")
         trainer.iteration, trainer.completions = int(state["iteration"]), int(state["completions"])
         set_rng_state(state["rng"])
         trainer._sample_state = state["sample_rng"].clone()

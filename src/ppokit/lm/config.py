@@ -48,6 +48,11 @@ class LMConfig:
     learning_rate: float = _f(1e-5, "AdamW learning rate of the policy (and of the value model), in [0, 1]")
     weight_decay: float = _f(0.0, "AdamW weight decay, in [0, 1]")
     max_grad_norm: float = _f(1.0, "global gradient-norm clip (policy and value model together), > 0")
+    lr_scheduler: str = _f("constant", "learning-rate schedule over the run's iterations after warmup_steps: constant, "
+                           "linear (to 0) or cosine (a half cosine to 0), transformers' formulas (ppokit.lm.lr_schedule)")
+    warmup_steps: int = _f(0, "iterations of linear learning-rate warmup from 0 (DPO, SFT, RM: optimizer steps), >= 0")
+    schedule_iterations: int | None = _f(None, "iterations the linear / cosine schedule decays over (none: the "
+                                         "iteration count of the run's first train() call, e.g. --iterations), >= 1")
     # --- rollout ---
     batch_prompts: int = _f(8, "prompts per iteration (DPO: preference pairs per optimizer step)")
     group_size: int = _f(8, "completions sampled per prompt (GRPO's G; PPO samples as many)")
@@ -157,6 +162,14 @@ class LMConfig:
         for name in ("torch_threads", "batch_prompts", "group_size", "max_new_tokens", "update_epochs",
                      "num_minibatches", "log_every", "save_every", "kl_horizon"):
             need(getattr(self, name) >= 1, name, f"must be a positive integer, got {getattr(self, name)!r}")
+        from ppokit.lm.lr_schedule import LR_SCHEDULERS
+
+        need(self.lr_scheduler in LR_SCHEDULERS, "lr_scheduler",
+             f"must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
+        need(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.schedule_iterations is not None:
+            need(self.schedule_iterations >= 1, "schedule_iterations",
+                 f"must be a positive integer or none, got {self.schedule_iterations}")
         if self.micro_batch_size is not None:
             need(self.micro_batch_size >= 1, "micro_batch_size",
                  f"must be a positive integer or none, got {self.micro_batch_size!r}")

@@ -145,6 +145,7 @@ class DPOTrainer(LMTrainer):
     def step(self) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         # Data-parallel: every rank draws the same pairs and trains on its share.
         pairs = self.dist.shard(self._next_pairs(cfg.batch_prompts))
         n = len(pairs)

@@ -155,6 +155,7 @@ class GRPOTrainer(LMTrainer):
     def step(self) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         # 1. Rollout: G completions per prompt, consecutive rows (several rounds with dynamic sampling).
         s, g, rounds, dropped = self._rollout()
         b = s.batch

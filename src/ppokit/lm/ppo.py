@@ -192,6 +192,7 @@ class PPOTrainer(LMTrainer):
     def step(self) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         # 1. Rollout.
         # Data-parallel: every rank draws the same prompts and generates for its share.
         prompts = [p for p in self.dist.shard(self.prompts.take(cfg.batch_prompts)) for _ in range(cfg.group_size)]

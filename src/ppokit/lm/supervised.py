@@ -125,6 +125,7 @@ class SFTTrainer(_RowTrainer):
 
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         rows = self.dist.shard(self._next_rows(self.config.batch_prompts))
         with self._training_mode():
             loss_v, grad_v, skipped = self._apply(self._loss_parts(rows))
@@ -231,6 +232,7 @@ class RewardModelTrainer(_RowTrainer):
 
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         rows = self.dist.shard(self._next_rows(self.config.batch_prompts))
         margins: list[Tensor] = []
 
