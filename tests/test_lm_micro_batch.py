@@ -186,3 +186,15 @@ def test_a_reward_model_scores_in_micro_batches_as_in_one_call():
     chunked = make_reward(RewardModel(rm, tok), tok, micro_batch_size=2)(prompts, completions, {})
     assert calls[1:] == [2, 2, 1]
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+
+
+def test_the_memory_estimate_counts_one_micro_batch_of_logits(base):
+    from ppokit.lm.checks import estimate_lm_memory
+
+    def estimate(**kw):
+        return estimate_lm_memory(LMConfig(num_minibatches=1, **kw), base[0], 64, 16, 16, extra_models=1,
+                                  value_model=False)
+
+    whole, micro = estimate(), estimate(micro_batch_size=16)
+    assert micro["update"] * 4 == whole["update"]  # 16 of the minibatch's 64 rows per backward
+    assert micro["rollout"] < whole["rollout"]  # the no-gradient passes' logits: 16 rows at a time

@@ -88,10 +88,10 @@ class DPOTrainer(LMTrainer):
     def _check_inputs(self, model: nn.Module, ref_model: nn.Module | None) -> None:
         longest_prompt, longest_response = check_pairs_context(self.tokenizer, model, self.pairs)
         n = self.config.batch_prompts
-        # One backward over every pair's two sequences (no minibatches): the update holds all 2n rows.
+        # One backward over every pair's two sequences (no minibatches), or over a micro-batch of pairs.
         self._check_memory(model, ref_model, 2 * n, longest_prompt, longest_response,
                            f"batch_prompts {n:,} preference pairs, a chosen and a rejected sequence each",
-                           update_rows=2 * n)
+                           update_rows=2 * min(n, self.config.micro_batch_size or n))
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.consumed = int(state["pairs_consumed"])

@@ -98,7 +98,7 @@ class SFTTrainer(_RowTrainer):
     def _check_inputs(self, model: nn.Module, ref_model: nn.Module | None) -> None:
         p, r = check_pairs_context(self.tokenizer, model, [(q, c, c) for q, c in self.rows])
         n = self.config.batch_prompts
-        self._check_memory(model, None, n, p, r, f"batch_prompts {n:,} SFT rows", update_rows=n)
+        self._check_memory(model, None, n, p, r, f"batch_prompts {n:,} SFT rows", update_rows=min(n, self.config.micro_batch_size or n))
 
     def completion_logprobs(self, examples: list[tuple[str, str]]) -> tuple[Tensor, Tensor]:
         """``([N, R] log-probs of the completion tokens and their EOS, [N, R] mask)`` under the policy (with
@@ -206,7 +206,7 @@ class RewardModelTrainer(_RowTrainer):
         p, r = check_pairs_context(self.tokenizer, model, self.rows + self.eval_rows)
         n = self.config.batch_prompts
         self._check_memory(model, None, 2 * n, p, r, f"batch_prompts {n:,} preference pairs, two sequences each",
-                           update_rows=2 * n)
+                           update_rows=2 * min(n, self.config.micro_batch_size or n))
 
     def scores(self, pairs: list[tuple[str, str, str]]) -> tuple[Tensor, Tensor]:
         """``([N] r(prompt + chosen), [N] r(prompt + rejected))`` (with gradient)."""
