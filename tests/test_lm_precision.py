@@ -103,3 +103,25 @@ def test_dtype_is_refused_in_one_line_when_unknown_or_when_the_device_cannot_aut
     text = str(info.value)
     assert "dtype" in text and "fp16 autocast is not available on cpu" in text and "\n" not in text
     LMConfig(dtype="fp32").validate()  # fp32 needs no autocast
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_every_lm_trainer_steps_under_autocast_in_micro_batches(base, dtype):
+    from ppokit.core import schema as S
+    from ppokit.lm import PPOTrainer, RewardModelTrainer, SFTTrainer
+
+    model, tok = base
+    cfg = LMConfig(batch_prompts=2, group_size=2, max_new_tokens=4, learning_rate=1e-3, dtype=dtype,
+                   micro_batch_size=1, num_minibatches=1, update_epochs=1)
+    pairs = [("A:", "AB", "B"), ("B:", "A", "BB"), ("AB:", "B", "A")]
+    trainers = [PPOTrainer(copy.deepcopy(model), tok, reward=_reward, prompts=PROMPTS, config=cfg),
+                DPOTrainer(copy.deepcopy(model), tok, pairs=pairs, config=cfg),
+                SFTTrainer(copy.deepcopy(model), tok, data=[{"prompt": p, "completion": c} for p, c, _ in pairs],
+                           config=cfg),
+                RewardModelTrainer(copy.deepcopy(model), tok, pairs=pairs, config=cfg)]
+    for t in trainers:
+        before = [p.detach().clone() for p in t.trainable_parameters()]
+        m = t.step()
+        assert m[S.SKIPPED_MINIBATCHES] == 0.0, type(t).__name__
+        assert any(not torch.equal(a, b) for a, b in zip(before, t.trainable_parameters())), type(t).__name__
+        assert all(p.dtype == torch.float32 for p in t.trainable_parameters())

@@ -132,8 +132,9 @@ class DPOTrainer(LMTrainer):
         hits = 0
         self.policy.eval()
         with torch.no_grad():
-            for i in range(0, len(pairs), self.config.batch_prompts):
-                chunk = pairs[i:i + self.config.batch_prompts]
+            step = min(self.config.batch_prompts, self.config.micro_batch_size or self.config.batch_prompts)
+            for i in range(0, len(pairs), step):
+                chunk = pairs[i:i + step]
                 logp = self.sequence_logprobs(chunk)
                 if implicit:
                     logp = logp - self.sequence_logprobs(chunk, reference=True)

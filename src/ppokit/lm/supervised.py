@@ -225,8 +225,9 @@ class RewardModelTrainer(_RowTrainer):
         hits = 0
         self.policy.eval()
         with torch.no_grad():
-            for i in range(0, len(pairs), self.config.batch_prompts):
-                chosen, rejected = self.scores(pairs[i:i + self.config.batch_prompts])
+            step = min(self.config.batch_prompts, self.config.micro_batch_size or self.config.batch_prompts)
+            for i in range(0, len(pairs), step):
+                chosen, rejected = self.scores(pairs[i:i + step])
                 hits += int((chosen > rejected).sum())
         return hits / len(pairs)
 
