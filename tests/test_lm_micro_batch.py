@@ -91,6 +91,15 @@ def test_grpo_gradients_are_the_same_in_micro_batches_of_1_3_and_none(base, loss
     _agree([_grads(t, b, m) for m in (None, 1, 3)])
 
 
+def test_gspo_with_clip_higher_gradients_are_the_same_in_micro_batches(base):
+    model, tok = base
+    cfg = LMConfig(batch_prompts=2, group_size=2, max_new_tokens=R, beta=0.1, loss_type="grpo",
+                   importance_sampling_level="sequence", epsilon_high=0.28)
+    t = GRPOTrainer(copy.deepcopy(model), tok, reward=_reward, prompts=PROMPTS, config=cfg)
+    b = _batch(t.policy, tok, with_values=False)
+    _agree([_grads(t, b, m) for m in (None, 1, 3)])
+
+
 def test_ppo_gradients_are_the_same_in_micro_batches_of_1_3_and_none(base):
     model, tok = base
     cfg = LMConfig(batch_prompts=2, group_size=2, max_new_tokens=R, vf_coef=0.5, ent_coef=0.01,
