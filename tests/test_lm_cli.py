@@ -111,6 +111,19 @@ def test_bad_config_values_name_the_field(workdir, model_dir, capsys):
                     "scale_rewards")
     _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--iterations", "0")),
                     "--iterations")
+    for flag, value, field in [("--micro-batch-size", "0", "micro_batch_size"), ("--dtype", "fp8", "dtype"),
+                               ("--lr-scheduler", "step", "lr_scheduler"), ("--warmup-steps", "-1", "warmup_steps")]:
+        _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", flag, value)), field)
+
+
+def test_grpo_trains_micro_batched_in_bf16_with_a_cosine_schedule(workdir, model_dir, capsys):
+    assert main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--run-dir", "mixed", "--micro-batch-size", "1",
+                      "--dtype", "bf16", "--lr-scheduler", "cosine", "--warmup-steps", "1")) == 0
+    meta = json.loads((workdir / "mixed" / "lm_run.json").read_text())
+    assert (meta["config"]["micro_batch_size"], meta["config"]["dtype"]) == (1, "bf16")
+    header, *rows = (workdir / "mixed" / "metrics.csv").read_text().splitlines()
+    lr = header.split(",").index("charts/learning_rate")
+    assert [float(r.split(",")[lr]) for r in rows][0] == 0.0  # the warmup's first step
 
 
 def test_lm_without_an_algo_prints_help_and_exit_2(capsys):

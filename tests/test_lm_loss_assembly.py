@@ -45,8 +45,8 @@ def _record(trainer) -> list:
     seen = []
     loss_fn = trainer._loss
 
-    def recorded(mb):
-        loss, stats = loss_fn(mb)
+    def recorded(mb, *share):
+        loss, stats = loss_fn(mb, *share)
         seen.append((mb, loss, {k: v.detach().clone() for k, v in stats.items()}))
         return loss, stats
 
@@ -80,8 +80,8 @@ def test_grpo_with_zero_advantages_is_plus_beta_k3_kl_to_ref_and_a_step_lowers_i
     grads = []
     loss_fn = t._loss
 
-    def with_gradient(mb):
-        loss, stats = loss_fn(mb)
+    def with_gradient(mb, *share):
+        loss, stats = loss_fn(mb, *share)
         params = [p for p in t.policy.parameters() if p.requires_grad]
         g = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         grads.append(sum(float(x.abs().sum()) for x in g if x is not None))

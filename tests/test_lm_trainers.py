@@ -121,13 +121,13 @@ def test_the_first_minibatch_ratio_is_exactly_one_and_pi_ref_stays_bit_identical
     ratios = []
     loss_fn = t._loss
 
-    def spy(mb):
+    def spy(mb, *share):
         if not ratios:
             with torch.no_grad():
                 logp, _ = token_logprobs(t.policy, mb.input_ids, mb.attention_mask, mb.n_response,
                                          t.config.temperature)
             ratios.append(torch.exp(logp - mb.logp_old)[mb.response_mask])
-        return loss_fn(mb)
+        return loss_fn(mb, *share)
 
     t._loss = spy
     history = t.train(2)
@@ -345,8 +345,8 @@ def test_kl_early_stopping_and_the_non_finite_skip_are_the_epoch_loops(model, to
     before = [p.clone() for p in t.trainable_parameters()]
     loss_fn = t._loss
 
-    def nan_loss(mb):
-        loss, stats = loss_fn(mb)
+    def nan_loss(mb, *share):
+        loss, stats = loss_fn(mb, *share)
         return loss * float("nan"), stats
 
     t._loss = nan_loss
@@ -405,8 +405,8 @@ def test_at_ratio_one_the_grpo_loss_is_minus_the_reduced_advantage(mode, model, 
     seen = []
     loss_fn = t._loss
 
-    def spy(mb):
-        loss, stats = loss_fn(mb)
+    def spy(mb, *share):
+        loss, stats = loss_fn(mb, *share)
         if not seen:
             seen.append((float(loss), mb.advantages[:, 0].clone(), mb.response_mask.sum(-1).float()))
         return loss, stats

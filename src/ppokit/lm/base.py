@@ -36,7 +36,9 @@ from ppokit.lm.config import LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
-from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.logprobs import in_micro_batches, token_logprobs
+from ppokit.lm.lr_schedule import lr_factor
+from ppokit.lm.precision import Precision, float32_master_weights
 from ppokit.lm.prompts import PromptSource
 from ppokit.lm.rewards import make_reward
 from ppokit.lm.rollout import Sampled, sample
@@ -115,7 +117,13 @@ class LMTrainer(LMRunLifecycle):
         self.prompts = None if prompts is None else PromptSource(prompts, cfg.seed, tokenizer)
         self._check_inputs(model, ref_model)
         self.policy = model.to(self.device)
-        warn_half_precision([p for p in self.policy.parameters() if p.requires_grad])
+        # bf16 / fp16: autocast forwards over float32 master weights (``precision``); fp32 with half-precision
+        # trainable weights trains them in half precision, which stalls: warned.
+        self.precision = Precision(cfg.dtype, self.device)
+        if self.precision.enabled:
+            float32_master_weights(self.policy)
+        else:
+            warn_half_precision([p for p in self.policy.parameters() if p.requires_grad])
         disable_dropout(self.policy)
         if cfg.fused_activations:  # before pi_ref and the value model are copied from it
             fuse_activations(self.policy)
@@ -130,12 +138,13 @@ class LMTrainer(LMRunLifecycle):
         if self.uses_reference:
             self._init_reference(ref_model)
         self._ref_fingerprint = "" if self.ref_model is None else _fingerprint(self.ref_model)
-        self.reward = None if reward is None else make_reward(reward, tokenizer)
+        self.reward = None if reward is None else make_reward(reward, tokenizer, cfg.micro_batch_size)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
         self.backend = make_generator(cfg.sampler)
         # Counters and random streams (all checkpointed).
         self.iteration = 0
         self.completions = 0
+        self._lr_horizon: int | None = None  # the linear / cosine schedule's iterations (set by the first train())
         self._sample_state = torch.Generator().manual_seed(self.dist.seed(cfg.seed)).get_state()
         self._cuda_sample_state: Tensor | None = None
         self._shuffle = torch.Generator(device=self.storage).manual_seed(cfg.seed + 1)
@@ -187,13 +196,13 @@ class LMTrainer(LMRunLifecycle):
 
     def ref_logprobs(self, input_ids: Tensor, attention_mask: Tensor, n_response: int,
                      temperature: float | None = None) -> Tensor:
-        """``[B, R]`` log pi_ref of the response tokens (no gradient)."""
+        """``[B, R]`` log pi_ref of the response tokens (no gradient; over ``micro_batch_size`` rows at a time)."""
         t = self.config.temperature if temperature is None else temperature
-        with torch.no_grad():
-            if self._adapter_ref:
-                with self.policy.disable_adapter():
-                    return token_logprobs(self.policy, input_ids, attention_mask, n_response, t)[0]
-            return token_logprobs(self.ref_model, input_ids, attention_mask, n_response, t)[0]
+        model = self.policy if self._adapter_ref else self.ref_model
+        adapter_off = self.policy.disable_adapter() if self._adapter_ref else contextlib.nullcontext()
+        with torch.no_grad(), adapter_off:
+            return in_micro_batches(lambda i, a: token_logprobs(model, i, a, n_response, t)[0],
+                                    self.config.micro_batch_size, input_ids, attention_mask)
 
     @contextlib.contextmanager
     def _training_mode(self) -> Iterator[None]:
@@ -204,6 +213,48 @@ class LMTrainer(LMRunLifecycle):
             yield
         finally:
             self.policy.eval()
+
+    def _schedule_lr(self) -> None:
+        """Every param group's LR for this iteration: ``learning_rate * lr_factor(...)`` (``lr_schedule``); called
+        at the start of each ``step``. The iteration counter is the step, so a resumed run goes on where it was."""
+        cfg = self.config
+        total = cfg.schedule_iterations or self._lr_horizon
+        if total is None and cfg.lr_scheduler != "constant":
+            raise ValueError(f"lr_scheduler {cfg.lr_scheduler} decays over the run's iterations: set "
+                             "schedule_iterations, or call train(n) rather than step()")
+        lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler, self.iteration, cfg.warmup_steps, total or 0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _apply(self, parts: Iterator[Tensor]) -> tuple[float, float, bool]:
+        """One optimizer step of the trainers without epochs (DPO, SFT, the reward model): the backward of each
+        micro-batch's weighted loss as ``parts`` yields it (its forward under the autocast of ``dtype``; one
+        micro-batch's graph alive at a time), the norm clip, the step, skipped when the loss or the gradient is
+        not finite (the epoch loop's guard). Returns ``(loss, grad_norm, skipped)``, the loss the parts' sum."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = torch.zeros((), device=self.device)
+        while True:
+            with self.precision.autocast():
+                part = next(parts, None)
+            if part is None:
+                break
+            self.precision.backward(part)
+            loss = loss + part.detach().float()
+        params = self.trainable_parameters()
+        if self.dist.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
+            self.dist.sync([p.grad for p in params if p.grad is not None], [loss])
+        self.precision.unscale(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        loss_v, grad_v = torch.stack([loss, grad_norm.float()]).tolist()
+        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=False)
+            self.precision.skipped()
+        else:
+            self.precision.step(self.optimizer)
+        self.iteration += 1
+        return loss_v, grad_v, skipped
 
     # ---------------------------------------------------------------- sampling
     @contextlib.contextmanager
@@ -236,12 +287,12 @@ class LMTrainer(LMRunLifecycle):
             check_context(self.tokenizer, self.policy, list(dict.fromkeys(prompts)), self.config.max_new_tokens,
                           where="this iteration's prompts")
         self.policy.eval()
-        with self._rng(rng):
+        with self._rng(rng), self.precision.autocast():
             out = sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
                          self.reward if reward else None, self.device,
                          ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
                          value_fn=value_fn, missing_eos_penalty=self.config.missing_eos_penalty,
-                         storage=storage)
+                         storage=storage, micro_batch_size=self.config.micro_batch_size)
         if rng == "train":
             self._last_sampled = out  # the iteration's completions, for completions.jsonl (_finish)
         return out
@@ -271,11 +322,12 @@ class LMTrainer(LMRunLifecycle):
             raise ValueError(f"evaluate: n must be a positive integer (completions per prompt), got {n!r}")
         repeated = [p for p in prompts for _ in range(n)]
         raw, scores, lengths, eos, texts = [], [], [], [], []
-        with self._rng("eval"):
+        with self._rng("eval"), self.precision.autocast():
             for i in range(0, len(repeated), self.config.rollout_size):
                 s = sample(self.policy.eval(), self.tokenizer, self.backend, repeated[i:i + self.config.rollout_size],
                            self.sampling, self.reward, self.device,
-                           missing_eos_penalty=self.config.missing_eos_penalty)
+                           missing_eos_penalty=self.config.missing_eos_penalty,
+                           micro_batch_size=self.config.micro_batch_size)
                 raw.append(s.raw_scores)
                 scores.append(s.batch.scores.cpu())
                 lengths.append(s.batch.response_mask.sum(-1).cpu() - s.has_eos.long())
@@ -365,6 +417,8 @@ class LMTrainer(LMRunLifecycle):
             "optimizer": self.optimizer.state_dict(),
             **(self._cursor() if cursor is None else cursor),
             "ref_fingerprint": self._ref_fingerprint,
+            "grad_scaler": self.precision.state_dict(),  # fp16's loss scale (None otherwise)
+            "lr_horizon": self._lr_horizon,
             # The live alerts' cooldowns and windows, so that a resumed run alerts as an unbroken one would.
             "alerts": {"monitor": self.monitor.state_dict(), "lm": self.lm_alerts.state_dict()},
             **self._extra_state(),
@@ -427,6 +481,8 @@ class LMTrainer(LMRunLifecycle):
             for name, value in state["policy"].items():
                 params[name].copy_(value.to(params[name].device))
         trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.precision.load_state_dict(state.get("grad_scaler"))
+        trainer._lr_horizon = state.get("lr_horizon")
         trainer.iteration, trainer.completions = int(state["iteration"]), int(state["completions"])
         set_rng_state(state["rng"])
         trainer._sample_state = state["sample_rng"].clone()

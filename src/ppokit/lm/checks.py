@@ -133,7 +133,8 @@ def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, resp
     logits over the response) and ``update`` (one minibatch's forward and backward: the logits and ~16 hidden-size
     activations per token and layer, the standard transformer count without the attention scores).
     ``update_rows`` is how many sequences one backward pass holds: by default a minibatch of the rollout
-    (``rows / num_minibatches``); DPO backpropagates through all of its ``rows`` at once.
+    (``rows / num_minibatches``) or its micro-batch (``micro_batch_size``); the trainers without epochs (DPO, SFT,
+    RM) give theirs (a micro-batch of pairs is two sequences each).
 
     Measured on the 10M-parameter tiny GPT-2 (GRPO, 8 x 8 completions of 32 tokens, 2 minibatches, CPU): 362 MiB
     estimated, 427 MiB of peak RSS growth over two iterations."""
@@ -141,8 +142,12 @@ def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, resp
     L, R = prompt_len + response_len, response_len
     critic = 2 if value_model else 1  # PPO's critic is a copy of the trunk, trained too
     models = extra_models * n * itemsize + critic * trainable * (2 * 4 + itemsize)
-    rollout = rows * (2 * layers * L * hidden * itemsize + R * vocab * 4) + rows * L * 4 * 16
+    # The no-gradient forwards (pi_old, pi_ref, values) hold one micro-batch's logits at a time.
+    micro = getattr(config, "micro_batch_size", None) or rows
+    rollout = rows * 2 * layers * L * hidden * itemsize + min(rows, micro) * R * vocab * 4 + rows * L * 4 * 16
     mb = math.ceil(rows / max(1, config.num_minibatches)) if update_rows is None else update_rows
+    if update_rows is None:  # an update step backpropagates one micro-batch at a time
+        mb = min(mb, micro)
     act_layers = 1 if config.gradient_checkpointing else layers
     update = critic * mb * L * (act_layers * 16 * hidden * 4) + mb * R * vocab * 4 * 2
     return {"models": models, "rollout": rollout, "update": update}
@@ -162,7 +167,8 @@ def check_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, respons
                       f"{need / 2**30:,.1f} GiB (sampling {gib['rollout']:,.1f}, one update minibatch "
                       f"{gib['update']:,.1f}, model copies and optimizer {gib['models']:,.1f}), more than the "
                       f"{have / 2**30:,.1f} GiB available on {config.device}; lower them"
-                      + (" (or raise num_minibatches)" if update_rows is None else ""))
+                      + (" (or raise num_minibatches, or set micro_batch_size)" if update_rows is None
+                         else " (or set micro_batch_size)"))
 
 
 def warn_half_precision(parameters: Sequence[Any]) -> str | None:
@@ -178,7 +184,7 @@ def warn_half_precision(parameters: Sequence[Any]) -> str | None:
     if not half:
         return None
     message = (f"trainable parameters are {', '.join(half)}: the optimizer updates them in half precision, where "
-               "small steps round away and training stalls; load the model in float32 (from_pretrained(..., "
-               "dtype=torch.float32))")
+               "small steps round away and training stalls; set dtype bf16 (--dtype bf16: autocast over float32 master "
+               "weights) or load the model in float32 (from_pretrained(..., dtype=torch.float32))")
     warnings.warn(message, UserWarning, stacklevel=3)
     return message

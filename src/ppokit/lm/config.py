@@ -24,6 +24,7 @@ from ppokit.lm.backends import SAMPLERS
 __all__ = ["LMConfig", "ConfigError", "KL_ESTIMATORS", "SCALE_REWARDS"]
 
 KL_ESTIMATORS = ("k1", "k3")
+DTYPES = ("fp32", "bf16", "fp16")  # the keys of ppokit.lm.precision.DTYPES
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 _SEED_MAX = 2**32 - 1
@@ -41,10 +42,17 @@ class LMConfig:
     seed: int = _f(1, f"random seed (sampling, minibatch order, prompt order), in [0, {_SEED_MAX}]")
     device: str = _f("cpu", "torch device of the models: cpu, cuda, cuda:N or mps")
     torch_threads: int = _f(1, "torch intra-op threads")
+    dtype: str = _f("fp32", "precision of the forward passes: bf16 or fp16 run them under torch.autocast with the "
+                    "trainable weights kept float32 (master weights; fp16 with a GradScaler), fp32 without autocast")
     # --- optimizer ---
     learning_rate: float = _f(1e-5, "AdamW learning rate of the policy (and of the value model), in [0, 1]")
     weight_decay: float = _f(0.0, "AdamW weight decay, in [0, 1]")
     max_grad_norm: float = _f(1.0, "global gradient-norm clip (policy and value model together), > 0")
+    lr_scheduler: str = _f("constant", "learning-rate schedule over the run's iterations after warmup_steps: constant, "
+                           "linear (to 0) or cosine (a half cosine to 0), transformers' formulas (ppokit.lm.lr_schedule)")
+    warmup_steps: int = _f(0, "iterations of linear learning-rate warmup from 0 (DPO, SFT, RM: optimizer steps), >= 0")
+    schedule_iterations: int | None = _f(None, "iterations the linear / cosine schedule decays over (none: the "
+                                         "iteration count of the run's first train() call, e.g. --iterations), >= 1")
     # --- rollout ---
     batch_prompts: int = _f(8, "prompts per iteration (DPO: preference pairs per optimizer step)")
     group_size: int = _f(8, "completions sampled per prompt (GRPO's G; PPO samples as many)")
@@ -119,6 +127,11 @@ class LMConfig:
     offload_rollout: bool = _f(False, "keep rollout tensors (log-probs, masks, values) in CPU memory and move them "
                                "to the device per minibatch")
     gradient_checkpointing: bool = _f(False, "enable the model's gradient checkpointing during the update")
+    micro_batch_size: int | None = _f(None, "rows per forward pass: the no-gradient passes (pi_old, pi_ref, values, a "
+                                      "reward model) run in chunks of this many sequences and every update step "
+                                      "accumulates the gradients of its minibatch over them, each weighted by its "
+                                      "share of the loss's normalizer (the same gradient as one pass); none: the "
+                                      "whole batch at once, > 0")
     # --- output ---
     log_every: int = _f(10, "print a metrics table every this many iterations (with a run dir)")
     save_every: int = _f(10, "with a run dir, write a resumable checkpoint (trainer_state.pt and policy/) every "
@@ -149,6 +162,17 @@ class LMConfig:
         for name in ("torch_threads", "batch_prompts", "group_size", "max_new_tokens", "update_epochs",
                      "num_minibatches", "log_every", "save_every", "kl_horizon"):
             need(getattr(self, name) >= 1, name, f"must be a positive integer, got {getattr(self, name)!r}")
+        from ppokit.lm.lr_schedule import LR_SCHEDULERS
+
+        need(self.lr_scheduler in LR_SCHEDULERS, "lr_scheduler",
+             f"must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
+        need(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.schedule_iterations is not None:
+            need(self.schedule_iterations >= 1, "schedule_iterations",
+                 f"must be a positive integer or none, got {self.schedule_iterations}")
+        if self.micro_batch_size is not None:
+            need(self.micro_batch_size >= 1, "micro_batch_size",
+                 f"must be a positive integer or none, got {self.micro_batch_size!r}")
         need(0 <= self.seed <= _SEED_MAX, "seed", f"must be in [0, {_SEED_MAX}], got {self.seed}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -229,6 +253,11 @@ class LMConfig:
         from ppokit.config.resources import check_device
 
         check_device(self.device)
+        need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        from ppokit.lm.precision import autocast_problem
+
+        problem = autocast_problem(self.device, self.dtype)
+        need(problem is None, "dtype", problem or "")
         if not self.unsafe:
             violations = self.guard_rail_violations()
             if violations:

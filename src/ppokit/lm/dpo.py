@@ -13,10 +13,9 @@ optimizer step, skipped (and counted) when the loss or the gradient is not finit
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -25,7 +24,7 @@ from ppokit.core import schema as S
 from ppokit.lm.base import LMTrainer
 from ppokit.lm.checks import check_pairs_context
 from ppokit.lm.data import numbered_rows, to_pair
-from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.logprobs import micro_slices, token_logprobs
 from ppokit.lm.losses import LossSettings, get_loss
 from ppokit.lm.rollout import encode_prompts
 
@@ -89,10 +88,10 @@ class DPOTrainer(LMTrainer):
     def _check_inputs(self, model: nn.Module, ref_model: nn.Module | None) -> None:
         longest_prompt, longest_response = check_pairs_context(self.tokenizer, model, self.pairs)
         n = self.config.batch_prompts
-        # One backward over every pair's two sequences (no minibatches): the update holds all 2n rows.
+        # One backward over every pair's two sequences (no minibatches), or over a micro-batch of pairs.
         self._check_memory(model, ref_model, 2 * n, longest_prompt, longest_response,
                            f"batch_prompts {n:,} preference pairs, a chosen and a rejected sequence each",
-                           update_rows=2 * n)
+                           update_rows=2 * min(n, self.config.micro_batch_size or n))
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.consumed = int(state["pairs_consumed"])
@@ -133,8 +132,9 @@ class DPOTrainer(LMTrainer):
         hits = 0
         self.policy.eval()
         with torch.no_grad():
-            for i in range(0, len(pairs), self.config.batch_prompts):
-                chunk = pairs[i:i + self.config.batch_prompts]
+            step = min(self.config.batch_prompts, self.config.micro_batch_size or self.config.batch_prompts)
+            for i in range(0, len(pairs), step):
+                chunk = pairs[i:i + step]
                 logp = self.sequence_logprobs(chunk)
                 if implicit:
                     logp = logp - self.sequence_logprobs(chunk, reference=True)
@@ -146,27 +146,33 @@ class DPOTrainer(LMTrainer):
     def step(self) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         # Data-parallel: every rank draws the same pairs and trains on its share.
         pairs = self.dist.shard(self._next_pairs(cfg.batch_prompts))
         n = len(pairs)
-        ref, _ = self.token_logprobs(pairs, reference=True)
+        ids, mask, R = encode_pairs(self.tokenizer, pairs, self.sampling.pad_token_id, self.sampling.eos_token_id,
+                                    self.device)
+        with self.precision.autocast():
+            ref = self.ref_logprobs(ids, mask, R, temperature=1.0)
+        resp_mask = mask[:, -R:].bool()
+        settings = LossSettings(beta=cfg.beta, dpo_loss=cfg.dpo_loss, label_smoothing=cfg.label_smoothing)
+        stats: dict[str, Tensor] = {}
+
+        def parts() -> Iterator[Tensor]:
+            # Micro-batches of pairs (a pair's chosen row i and rejected row n + i stay together): the loss and
+            # its statistics are means over the pairs, so each part weighs its share of them.
+            for part in micro_slices(n, cfg.micro_batch_size):
+                idx = torch.arange(n, device=self.device)[part]
+                rows = torch.cat([idx, idx + n])
+                share = len(idx) / n
+                logp, _ = token_logprobs(self.policy, ids[rows], mask[rows], R, 1.0)
+                loss, part_stats = get_loss("dpo")(logp, None, ref[rows], None, resp_mask[rows], settings)
+                for name, v in part_stats.items():
+                    stats[name] = stats.get(name, 0.0) + share * v
+                yield share * loss
+
         with self._training_mode():
-            logp, resp_mask = self.token_logprobs(pairs)
-            settings = LossSettings(beta=cfg.beta, dpo_loss=cfg.dpo_loss, label_smoothing=cfg.label_smoothing)
-            loss, stats = get_loss("dpo")(logp, None, ref, None, resp_mask, settings)
-            self.optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-        params = self.trainable_parameters()
-        if self.dist.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
-            self.dist.sync([p.grad for p in params if p.grad is not None], [loss.detach()])
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        loss_v, grad_v = torch.stack([loss.detach(), grad_norm]).tolist()
-        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
-        if skipped:  # the same guard as the epoch loop: no NaN reaches the weights
-            self.optimizer.zero_grad(set_to_none=False)
-        else:
-            self.optimizer.step()
-        self.iteration += 1
+            loss_v, grad_v, skipped = self._apply(parts())
         self.completions += 2 * n * self.dist.world_size
         metrics = {
             S.POLICY_LOSS: loss_v, S.GRAD_NORM: grad_v, S.SKIPPED_MINIBATCHES: float(skipped),

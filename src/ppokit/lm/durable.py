@@ -49,6 +49,8 @@ class LMRunLifecycle:
             raise ValueError(f"train: iterations must be an integer >= 0, got {iterations!r}")
         self._claim_run_dir()
         self._planned = self.iteration + iterations
+        if self._lr_horizon is None:  # the first train() call sets the LR schedule's length (checkpointed)
+            self._lr_horizon = self._planned
         if getattr(self, "_sps_origin", None) is None:  # perf/sps counts from the first iteration this object runs
             self._sps_origin = (time.perf_counter(), self.completions)
         from ppokit.runtime.interrupts import install_sigint

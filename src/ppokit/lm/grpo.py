@@ -35,7 +35,7 @@ from ppokit.lm.dynamic_sampling import fill_groups
 from ppokit.lm.logprobs import token_logprobs
 from ppokit.lm.losses import get_loss, reduce_tokens, settings_for
 from ppokit.lm.rollout import Sampled, TokenBatch
-from ppokit.lm.step import TokenStep
+from ppokit.lm.step import WHOLE, Share, TokenStep, weigh_stats
 from ppokit.update.epochs import UpdateSettings, ppo_epochs
 
 __all__ = ["GRPOTrainer", "group_advantages"]
@@ -104,7 +104,8 @@ class GRPOTrainer(LMTrainer):
         cfg = self.config
         self.optimizer = adamw(self.trainable_parameters(), cfg.learning_rate, cfg.weight_decay)
 
-    def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    def _loss(self, mb: TokenBatch, share: Share = WHOLE) -> tuple[Tensor, dict[str, Tensor]]:
+        """The minibatch's (or, with ``share``, a micro-batch's weighted part of its) loss and diagnostics."""
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
                                            with_entropy=True, entropy_grad=cfg.ent_coef > 0)
@@ -116,7 +117,7 @@ class GRPOTrainer(LMTrainer):
             loss = loss + cfg.ent_coef * loss_entropy
         stats["value_loss"] = torch.zeros((), device=logp_new.device)  # no critic
         stats["entropy"] = reduce(entropy.detach(), mask, "token_mean")
-        return loss, stats
+        return share.of(settings.reduction) * loss, weigh_stats(stats, share, settings.reduction)
 
     def _update_batch(self, b: TokenBatch, has_eos: Tensor, zero_std: Tensor) -> TokenBatch:
         """The rows and tokens the update trains on: without the constant groups (``drop_zero_std_groups``), with
@@ -154,6 +155,7 @@ class GRPOTrainer(LMTrainer):
     def step(self) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         # 1. Rollout: G completions per prompt, consecutive rows (several rounds with dynamic sampling).
         s, g, rounds, dropped = self._rollout()
         b = s.batch
@@ -175,7 +177,8 @@ class GRPOTrainer(LMTrainer):
                                   num_minibatches=max(1, min(cfg.num_minibatches, len(train))),
                                   clip_coef=cfg.clip_coef, clip_vloss=False, norm_adv=False, ent_coef=cfg.ent_coef,
                                   vf_coef=0.0, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
-        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm)
+        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm, cfg.micro_batch_size,
+                         self.precision)
         with self._training_mode():
             if len(train):
                 update = ppo_epochs(train, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process

@@ -18,7 +18,23 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["position_ids", "response_mask", "sequence_forward", "token_logprobs", "selective_logprobs", "entropy_of",
-           "kl_per_token", "logprobs_of"]
+           "kl_per_token", "logprobs_of", "micro_slices", "in_micro_batches"]
+
+
+def micro_slices(rows: int, size: int | None) -> list[slice]:
+    """``rows`` split into consecutive slices of ``size`` rows (the last one may be shorter); one slice when
+    ``size`` is None (``LMConfig.micro_batch_size``)."""
+    step = rows if size is None else size
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, max(1, step))] or [slice(0, 0)]
+
+
+def in_micro_batches(fn, size: int | None, *tensors: Tensor) -> Tensor:
+    """``fn(*tensors)`` computed over row slices of ``size`` (``micro_slices``) and concatenated along the rows: a
+    no-gradient pass (pi_old, pi_ref, the values) then holds one micro-batch's activations and logits, not the
+    rollout's. Rows are independent sequences, so the result is the one pass's to rounding."""
+    if size is None or tensors[0].shape[0] <= size:
+        return fn(*tensors)
+    return torch.cat([fn(*(t[s] for t in tensors)) for s in micro_slices(tensors[0].shape[0], size)])
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:

@@ -33,10 +33,11 @@ from ppokit.core.objectives import explained_variance, value_loss
 from ppokit.core.reductions import reduce
 from ppokit.lm.base import LMTrainer, adamw, masked_stats
 from ppokit.lm.kernels import fuse_activations
-from ppokit.lm.logprobs import kl_per_token, position_ids, token_logprobs
+from ppokit.lm.logprobs import in_micro_batches, kl_per_token, position_ids, token_logprobs
 from ppokit.lm.losses import get_loss, settings_for
+from ppokit.lm.precision import float32_master_weights
 from ppokit.lm.rollout import TokenBatch, place_scores
-from ppokit.lm.step import TokenStep
+from ppokit.lm.step import WHOLE, Share, TokenStep, weigh_stats
 from ppokit.update.epochs import UpdateSettings, ppo_epochs
 
 __all__ = ["PPOTrainer", "ValueModel", "default_value_model", "rlhf_rewards", "token_advantages", "adaptive_kl_coef"]
@@ -75,7 +76,7 @@ def response_values(value_model: nn.Module, input_ids: Tensor, attention_mask: T
     if n_response == 0:
         return input_ids.new_zeros(input_ids.shape[0], 0, dtype=torch.float32)
     values = value_model(input_ids[:, :-1], attention_mask[:, :-1])
-    return values[:, -n_response:]
+    return values[:, -n_response:].float()  # float32 under autocast too: the value loss and GAE
 
 
 def rlhf_rewards(scores: Tensor, logp_old: Tensor, logp_ref: Tensor | None, mask: Tensor, kl_coef: float,
@@ -124,6 +125,8 @@ class PPOTrainer(LMTrainer):
         cfg = self.config
         self.value_model = (value_model if value_model is not None else default_value_model(self.policy))
         self.value_model.to(self.device)
+        if self.precision.enabled:  # autocast: its trainable weights are float32 master weights too
+            float32_master_weights(self.value_model)
         from ppokit.lm.base import disable_dropout
 
         disable_dropout(self.value_model)
@@ -163,30 +166,33 @@ class PPOTrainer(LMTrainer):
     # ---------------------------------------------------------------- one iteration
     def _values(self, input_ids: Tensor, attention_mask: Tensor, n_response: int) -> Tensor:
         with torch.no_grad():
-            return response_values(self.value_model, input_ids, attention_mask, n_response)
+            return in_micro_batches(lambda i, a: response_values(self.value_model, i, a, n_response),
+                                    self.config.micro_batch_size, input_ids, attention_mask)
 
-    def _loss(self, mb: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    def _loss(self, mb: TokenBatch, share: Share = WHOLE) -> tuple[Tensor, dict[str, Tensor]]:
+        """The minibatch's (or, with ``share``, a micro-batch's weighted part of its) loss and diagnostics."""
         cfg, mask, R = self.config, mb.response_mask, mb.n_response
         logp_new, entropy = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, R, cfg.temperature,
                                            with_entropy=True, entropy_grad=cfg.ent_coef > 0)
         # The KL to pi_ref is in the reward (``rlhf_rewards``), so the policy loss gets no reference term.
-        loss_policy, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, None, mb.advantages, mask,
-                                                       settings_for(cfg, 0.0, self._tokens_per_minibatch))
+        settings = settings_for(cfg, 0.0, self._tokens_per_minibatch)
+        loss_policy, stats = get_loss(cfg.policy_loss)(logp_new, mb.logp_old, None, mb.advantages, mask, settings)
         # Padding positions keep the rollout's value: no gradient through them (``where``).
         values = torch.where(mask, response_values(self.value_model, mb.input_ids, mb.attention_mask, R),
                              mb.values)
         loss_value = value_loss(values, mb.returns, mb.values, cfg.cliprange_value, mask=mask, mode="token_mean")
-        loss = loss_policy + cfg.vf_coef * loss_value
+        loss = share.of(settings.reduction) * loss_policy + share.of("token_mean") * cfg.vf_coef * loss_value
         if cfg.ent_coef > 0:  # at 0 the entropy stays out of the graph: the backward skips it (same gradient)
             loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
-            loss = loss + cfg.ent_coef * loss_entropy
+            loss = loss + share.of(cfg.loss_reduction) * cfg.ent_coef * loss_entropy
         stats["value_loss"] = loss_value.detach()
         stats["entropy"] = reduce(entropy.detach(), mask, "token_mean")
-        return loss, stats
+        return loss, weigh_stats(stats, share, settings.reduction)
 
     def step(self) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         # 1. Rollout.
         # Data-parallel: every rank draws the same prompts and generates for its share.
         prompts = [p for p in self.dist.shard(self.prompts.take(cfg.batch_prompts)) for _ in range(cfg.group_size)]
@@ -211,7 +217,8 @@ class PPOTrainer(LMTrainer):
                                   clip_coef=cfg.clip_coef, clip_vloss=True, norm_adv=False, ent_coef=cfg.ent_coef,
                                   vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm, target_kl=cfg.target_kl)
         self._tokens_per_minibatch = max(float(b.response_mask.sum()), 1.0) / cfg.num_minibatches  # loss_type dapo
-        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm)
+        step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm, cfg.micro_batch_size,
+                         self.precision)
         with self._training_mode():
             update = ppo_epochs(b, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
         t_update = time.perf_counter() - t0

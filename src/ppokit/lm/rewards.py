@@ -134,11 +134,17 @@ def _callable(fn: Callable) -> RewardFn:
     return reward
 
 
-def _reward_model(rm: Any) -> RewardFn:
+def _reward_model(rm: Any, micro_batch_size: int | None = None) -> RewardFn:
+    """A ``RewardModel`` as a reward function, scoring ``micro_batch_size`` completions per forward (all at once
+    when None): its batch invariance makes the chunked scores the one call's."""
     who = f"model {rm.name}"
 
     def reward(prompts: list[str], completions: list[str], info: dict[str, Any]) -> Tensor:
-        return _as_scores(_call(rm, who, prompts, completions), len(completions), who)
+        step = micro_batch_size or max(1, len(completions))
+        if len(completions) <= step:
+            return _as_scores(_call(rm, who, prompts, completions), len(completions), who)
+        return torch.cat([_as_scores(_call(rm, who, prompts[i:i + step], completions[i:i + step]),
+                                     len(completions[i:i + step]), who) for i in range(0, len(completions), step)])
 
     reward.name = rm.name
     return reward
@@ -174,21 +180,21 @@ def _term_name(fn: Any, i: int, taken: set[str]) -> str:
     return name
 
 
-def make_reward(reward: Any, tokenizer: Any = None) -> RewardFn:
+def make_reward(reward: Any, tokenizer: Any = None, micro_batch_size: int | None = None) -> RewardFn:
     """One ``RewardFn`` from a callable, a reward model (an ``nn.Module``, a ``(model, tokenizer)`` pair or a
     ``RewardModel``) or a list of them / ``(item, weight)`` pairs. ``tokenizer``: the policy's, the last resort
-    for a reward model given without one."""
+    for a reward model given without one; ``micro_batch_size``: completions per reward-model forward."""
     from ppokit.lm.reward_models import RewardModel
 
     if isinstance(reward, RewardModel):
-        return _reward_model(reward)
+        return _reward_model(reward, micro_batch_size)
     if _is_pair(reward):
-        return _reward_model(RewardModel(*reward))
+        return _reward_model(RewardModel(*reward), micro_batch_size)
     if isinstance(reward, nn.Module):
         own = _own_tokenizer(reward, tokenizer)
         if own is None:
             raise ValueError(f"reward model {type(reward).__name__}: has no tokenizer; pass reward=(model, tokenizer)")
-        return _reward_model(RewardModel(reward, own))
+        return _reward_model(RewardModel(reward, own), micro_batch_size)
     if callable(reward):
         return _callable(reward)
     if isinstance(reward, Sequence) and not isinstance(reward, (str, bytes)) and len(reward) > 0:
@@ -202,7 +208,7 @@ def make_reward(reward: Any, tokenizer: Any = None) -> RewardFn:
                                  f"got {type(item).__name__}")
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 raise ValueError(f"reward[{i}]'s weight must be a finite number, got {weight!r}")
-            made = make_reward(fn, tokenizer)
+            made = make_reward(fn, tokenizer, micro_batch_size)
             parts.append((_term_name(made if hasattr(made, "name") else fn, i, taken), made, float(weight)))
 
         def weighted(prompts: list[str], completions: list[str], info: dict[str, Any]) -> Tensor:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ppokit.core.batch import Field, Schema, TensorBatch
 from ppokit.lm.data import extra_columns
 from ppokit.lm.generation import Generator, SamplingSettings
-from ppokit.lm.logprobs import response_mask, token_logprobs
+from ppokit.lm.logprobs import in_micro_batches, response_mask, token_logprobs
 
 __all__ = ["TOKEN_FIELDS", "TokenBatch", "encode_prompts", "sample", "last_token_index", "place_scores"]
 
@@ -117,11 +117,12 @@ class Sampled:
 def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: list[str], settings: SamplingSettings,
            reward: Callable | None, device: torch.device, ref_logprobs: Callable | None = None,
            value_fn: Callable | None = None, missing_eos_penalty: float | None = None,
-           storage: torch.device | None = None) -> Sampled:
+           storage: torch.device | None = None, micro_batch_size: int | None = None) -> Sampled:
     """One rollout of ``prompts`` (already repeated G times for groups); steps 1-5 of the module docstring.
 
     ``ref_logprobs(input_ids, attention_mask, R) -> [B, R]`` and ``value_fn(...) -> [B, R]`` are optional;
-    ``storage`` is where the batch's tensors are kept (the CPU with ``offload_rollout``; default ``device``).
+    ``storage`` is where the batch's tensors are kept (the CPU with ``offload_rollout``; default ``device``);
+    ``micro_batch_size``: rows per pi_old forward (``LMConfig.micro_batch_size``; the callbacks chunk their own).
     """
     # 1. Left-padded prompts.
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, settings.pad_token_id, device)
@@ -135,8 +136,9 @@ def sample(policy: nn.Module, tokenizer: Any, generator: Generator, prompts: lis
     input_ids = torch.cat([prompt_ids, response_ids], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
     R = response_ids.shape[1]
-    # 4. pi_old, pi_ref, values: one forward each.
-    logp_old, _ = token_logprobs(policy, input_ids, attention_mask, R, settings.temperature)
+    # 4. pi_old, pi_ref, values: one forward each (over micro-batches of rows).
+    logp_old = in_micro_batches(lambda i, a: token_logprobs(policy, i, a, R, settings.temperature)[0],
+                                micro_batch_size, input_ids, attention_mask)
     logp_ref = None if ref_logprobs is None else ref_logprobs(input_ids, attention_mask, R)
     values = None if value_fn is None else value_fn(input_ids, attention_mask, R)
     # 5. Scores from the decoded text (EOS excluded from the text and the ids the reward sees).

@@ -26,7 +26,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from ppokit.lm.base import LMTrainer, _quiet_progress, adamw
 from ppokit.lm.checks import check_pairs_context
 from ppokit.lm.data import numbered_rows, read_rows, to_pair, to_sft_example
 from ppokit.lm.dpo import encode_responses
-from ppokit.lm.logprobs import token_logprobs
+from ppokit.lm.logprobs import micro_slices, token_logprobs
 from ppokit.runtime.rundir import REWARD_MODEL_DIR
 
 __all__ = ["SFTTrainer", "RewardModelTrainer", "reward_model_from", "REWARD_MODEL_DIR"]
@@ -75,24 +75,6 @@ class _RowTrainer(LMTrainer):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.consumed = int(state["rows_consumed"])
 
-    def _apply(self, loss: Tensor) -> tuple[float, float, bool]:
-        """Backward, clip, step (skipped when not finite): ``(loss, grad_norm, skipped)``."""
-        cfg = self.config
-        self.optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        params = self.trainable_parameters()
-        if self.dist.sync is not None:
-            self.dist.sync([p.grad for p in params if p.grad is not None], [loss.detach()])
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        loss_v, grad_v = torch.stack([loss.detach(), grad_norm]).tolist()
-        skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=False)
-        else:
-            self.optimizer.step()
-        self.iteration += 1
-        return loss_v, grad_v, skipped
-
     def _base_metrics(self, grad_v: float, skipped: bool) -> dict[str, float]:
         return {S.GRAD_NORM: grad_v, S.SKIPPED_MINIBATCHES: float(skipped),
                 S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"])}
@@ -116,7 +98,7 @@ class SFTTrainer(_RowTrainer):
     def _check_inputs(self, model: nn.Module, ref_model: nn.Module | None) -> None:
         p, r = check_pairs_context(self.tokenizer, model, [(q, c, c) for q, c in self.rows])
         n = self.config.batch_prompts
-        self._check_memory(model, None, n, p, r, f"batch_prompts {n:,} SFT rows", update_rows=n)
+        self._check_memory(model, None, n, p, r, f"batch_prompts {n:,} SFT rows", update_rows=min(n, self.config.micro_batch_size or n))
 
     def completion_logprobs(self, examples: list[tuple[str, str]]) -> tuple[Tensor, Tensor]:
         """``([N, R] log-probs of the completion tokens and their EOS, [N, R] mask)`` under the policy (with
@@ -128,15 +110,25 @@ class SFTTrainer(_RowTrainer):
 
     def loss(self, examples: list[tuple[str, str]]) -> Tensor:
         """Mean NLL per completion token (EOS included) over ``examples``."""
-        logp, mask = self.completion_logprobs(examples)
-        return -torch.where(mask, logp, 0.0).sum() / mask.sum().clamp(min=1)
+        return sum(self._loss_parts(examples))
+
+    def _loss_parts(self, examples: list[tuple[str, str]]) -> Iterator[Tensor]:
+        """The mean NLL as micro-batches of rows: each part is its tokens' NLL sum over ALL the rows' tokens (its
+        share of the token mean), so the parts sum to the loss."""
+        ids, mask, R = encode_responses(self.tokenizer, [p for p, _ in examples], [c for _, c in examples],
+                                        self.sampling.pad_token_id, self.sampling.eos_token_id, self.device)
+        resp = mask[:, -R:].bool()
+        tokens = resp.sum().clamp(min=1)
+        for part in micro_slices(len(examples), self.config.micro_batch_size):
+            logp, _ = token_logprobs(self.policy, ids[part], mask[part], R, 1.0)
+            yield -torch.where(resp[part], logp, 0.0).sum() / tokens
 
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         rows = self.dist.shard(self._next_rows(self.config.batch_prompts))
         with self._training_mode():
-            loss = self.loss(rows)
-            loss_v, grad_v, skipped = self._apply(loss)
+            loss_v, grad_v, skipped = self._apply(self._loss_parts(rows))
         self.completions += len(rows) * self.dist.world_size
         return self._finish({S.SFT_NLL: loss_v, **self._base_metrics(grad_v, skipped)}, started, {})
 
@@ -214,7 +206,7 @@ class RewardModelTrainer(_RowTrainer):
         p, r = check_pairs_context(self.tokenizer, model, self.rows + self.eval_rows)
         n = self.config.batch_prompts
         self._check_memory(model, None, 2 * n, p, r, f"batch_prompts {n:,} preference pairs, two sequences each",
-                           update_rows=2 * n)
+                           update_rows=2 * min(n, self.config.micro_batch_size or n))
 
     def scores(self, pairs: list[tuple[str, str, str]]) -> tuple[Tensor, Tensor]:
         """``([N] r(prompt + chosen), [N] r(prompt + rejected))`` (with gradient)."""
@@ -233,22 +225,31 @@ class RewardModelTrainer(_RowTrainer):
         hits = 0
         self.policy.eval()
         with torch.no_grad():
-            for i in range(0, len(pairs), self.config.batch_prompts):
-                chosen, rejected = self.scores(pairs[i:i + self.config.batch_prompts])
+            step = min(self.config.batch_prompts, self.config.micro_batch_size or self.config.batch_prompts)
+            for i in range(0, len(pairs), step):
+                chosen, rejected = self.scores(pairs[i:i + step])
                 hits += int((chosen > rejected).sum())
         return hits / len(pairs)
 
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
+        self._schedule_lr()  # this iteration's learning rate (lr_scheduler, warmup_steps)
         rows = self.dist.shard(self._next_rows(self.config.batch_prompts))
+        margins: list[Tensor] = []
+
+        def parts() -> Iterator[Tensor]:
+            # Micro-batches of pairs; the loss is a mean over the pairs, so each part weighs its share of them.
+            for part in micro_slices(len(rows), self.config.micro_batch_size):
+                chosen, rejected = self.scores(rows[part])
+                margins.append((chosen - rejected).detach())
+                yield -F.logsigmoid(chosen - rejected).sum() / len(rows)
+
         with self._training_mode():
-            chosen, rejected = self.scores(rows)
-            margin = chosen - rejected
-            loss = -F.logsigmoid(margin).mean()
-            loss_v, grad_v, skipped = self._apply(loss)
+            loss_v, grad_v, skipped = self._apply(parts())
+        margin = torch.cat(margins)
         self.completions += 2 * len(rows) * self.dist.world_size
         metrics = {S.RM_LOSS: loss_v, S.RM_ACCURACY: float((margin > 0).float().mean()),
-                   S.RM_MARGIN: float(margin.detach().mean()), S.RM_EVAL_ACCURACY: self.accuracy(),
+                   S.RM_MARGIN: float(margin.mean()), S.RM_EVAL_ACCURACY: self.accuracy(),
                    **self._base_metrics(grad_v, skipped)}
         return self._finish(metrics, started, {})
 

@@ -106,6 +106,31 @@ def build_tiny_model(tokenizer, size: str | TinySize = "tiny", *, seed: int = 0)
     return model
 
 
+def build_tiny_llama(tokenizer, *, hidden: int = 32, layers: int = 2, heads: int = 2, mlp: int = 64,
+                     vocab: int | None = None, positions: int = 256, seed: int = 0):
+    """A freshly initialised ``LlamaForCausalLM`` for ``tokenizer`` (untied LM head, no dropout), drawn from a
+    private generator seeded with ``seed``. ``vocab`` pads the embedding to that many rows (a real model's
+    vocabulary size, for memory measurements); the tokenizer's own size by default."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=max(len(tokenizer), vocab or 0), hidden_size=hidden, intermediate_size=mlp,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=positions, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(state)
+    gen = model.generation_config
+    gen.pad_token_id, gen.eos_token_id, gen.bos_token_id = (tokenizer.pad_token_id, tokenizer.eos_token_id,
+                                                            tokenizer.eos_token_id)
+    gen.do_sample, gen.top_k, gen.top_p, gen.temperature = True, 0, 1.0, 1.0
+    return model
+
+
 def build_tiny(alphabet: str = DEFAULT_ALPHABET, size: str | TinySize = "tiny", *, seed: int = 0,
                pad_is_eos: bool = False):
     """``(model, tokenizer)``: ``build_char_tokenizer(alphabet)`` and a ``build_tiny_model`` for it."""
