@@ -32,8 +32,9 @@ from ppokit.diagnostics.monitor import Monitor
 from ppokit.lm.alerts import LMAlerts
 from ppokit.lm.backends import make_generator
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
-from ppokit.lm.config import LMConfig
+from ppokit.lm.config import ConfigError, LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
+from ppokit.lm.fsdp import full, gathered, shard
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, token_logprobs
@@ -138,6 +139,15 @@ class LMTrainer(LMRunLifecycle):
         if self.uses_reference:
             self._init_reference(ref_model)
         self._ref_fingerprint = "" if self.ref_model is None else _fingerprint(self.ref_model)
+        self._init_critic()  # PPO's value model, copied from the whole policy before it is sharded
+        # fsdp under torchrun: the models sharded per block, now that every rank holds rank 0's weights (lm.fsdp).
+        self.sharded = cfg.fsdp and self.dist.active
+        if self.sharded:
+            if is_peft_model(self.policy):
+                raise ConfigError("fsdp", "does not shard a LoRA (PEFT) policy yet; drop --lora or --fsdp")
+            for m in (self.policy, self.ref_model, getattr(self, "value_model", None)):
+                if m is not None:
+                    shard(m, cfg.dtype)
         self.reward = None if reward is None else make_reward(reward, tokenizer, cfg.micro_batch_size)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
         self.backend = make_generator(cfg.sampler)
@@ -191,6 +201,15 @@ class LMTrainer(LMRunLifecycle):
         else:
             self.ref_model = frozen_copy(self.policy)
 
+    def _init_critic(self) -> None:
+        """A trainer with a value model builds it here (``self.value_model``); none by default."""
+
+    @property
+    def sync(self):
+        """The epoch loop's sync hook: gradients and statistics averaged over the ranks, or, with the models
+        sharded, the statistics alone (FSDP reduce-scatters the gradients in the backward); None in one process."""
+        return self.dist.stats_sync if self.sharded else self.dist.sync
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.policy.parameters() if p.requires_grad]
 
@@ -242,10 +261,10 @@ class LMTrainer(LMRunLifecycle):
             self.precision.backward(part)
             loss = loss + part.detach().float()
         params = self.trainable_parameters()
-        if self.dist.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
-            self.dist.sync([p.grad for p in params if p.grad is not None], [loss])
+        if self.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
+            self.sync([p.grad for p in params if p.grad is not None], [loss])
         self.precision.unscale(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        grad_norm = full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))  # sharded: over every shard
         loss_v, grad_v = torch.stack([loss, grad_norm.float()]).tolist()
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
         if skipped:
@@ -287,7 +306,7 @@ class LMTrainer(LMRunLifecycle):
             check_context(self.tokenizer, self.policy, list(dict.fromkeys(prompts)), self.config.max_new_tokens,
                           where="this iteration's prompts")
         self.policy.eval()
-        with self._rng(rng), self.precision.autocast():
+        with self._rng(rng), self.precision.autocast(), gathered(self.policy):  # sharded: full weights to sample
             out = sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
                          self.reward if reward else None, self.device,
                          ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
@@ -322,7 +341,7 @@ class LMTrainer(LMRunLifecycle):
             raise ValueError(f"evaluate: n must be a positive integer (completions per prompt), got {n!r}")
         repeated = [p for p in prompts for _ in range(n)]
         raw, scores, lengths, eos, texts = [], [], [], [], []
-        with self._rng("eval"), self.precision.autocast():
+        with self._rng("eval"), self.precision.autocast(), gathered(self.policy):
             for i in range(0, len(repeated), self.config.rollout_size):
                 s = sample(self.policy.eval(), self.tokenizer, self.backend, repeated[i:i + self.config.rollout_size],
                            self.sampling, self.reward, self.device,

@@ -120,9 +120,20 @@ class PPOTrainer(LMTrainer):
 
     def __init__(self, model: nn.Module, tokenizer: Any, reward: Any, prompts: Any, config=None, run_dir=None,
                  ref_model: nn.Module | None = None, value_model: nn.Module | None = None, *, overwrite: bool = False):
+        self._given_value_model = value_model
         super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
         self.overwrite = overwrite
         cfg = self.config
+        self.kl_coef = float(cfg.kl_coef)
+        self._tokens_per_minibatch: float | None = None
+        params = [{"params": self.trainable_parameters()},
+                  {"params": [p for p in self.value_model.parameters() if p.requires_grad]}]
+        self.optimizer = adamw(params, cfg.learning_rate, cfg.weight_decay)
+
+    def _init_critic(self) -> None:
+        """The value model (the base calls it before sharding: the default one is a copy of the whole policy)."""
+        cfg = self.config
+        value_model, self._given_value_model = self._given_value_model, None
         self.value_model = (value_model if value_model is not None else default_value_model(self.policy))
         self.value_model.to(self.device)
         if self.precision.enabled:  # autocast: its trainable weights are float32 master weights too
@@ -134,11 +145,6 @@ class PPOTrainer(LMTrainer):
             fuse_activations(self.value_model)
         self.value_model.eval()
         self.dist.prepare(self.value_model, None, [])  # data-parallel: rank 0's value head everywhere
-        self.kl_coef = float(cfg.kl_coef)
-        self._tokens_per_minibatch: float | None = None
-        params = [{"params": self.trainable_parameters()},
-                  {"params": [p for p in self.value_model.parameters() if p.requires_grad]}]
-        self.optimizer = adamw(params, cfg.learning_rate, cfg.weight_decay)
 
     # ---------------------------------------------------------------- state
     def _extra_state(self) -> dict[str, Any]:
@@ -220,7 +226,7 @@ class PPOTrainer(LMTrainer):
         step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm, cfg.micro_batch_size,
                          self.precision)
         with self._training_mode():
-            update = ppo_epochs(b, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
+            update = ppo_epochs(b, settings, step, sync=self.sync, generator=self._shuffle)  # None: 1 process
         t_update = time.perf_counter() - t0
         self.iteration += 1
         self.completions += len(b) * self.dist.world_size
