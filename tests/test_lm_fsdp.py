@@ -130,3 +130,73 @@ def test_two_rank_fsdp_holds_about_half_the_weights_and_adamw_states_per_rank(tm
         assert r["moments"] == pytest.approx(whole, rel=0.05)  # two moments of half the weights
         assert r["ref"] == pytest.approx(whole / 2, rel=0.05)
     assert sum(r["params"] for r in ranks) == whole  # the shards partition the weights: nothing held twice
+
+
+SAVE_SCRIPT = r'''
+import json, sys
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+from ppokit.lm import GRPOTrainer, LMConfig, PPOTrainer
+from ppokit.lm.fsdp import full, full_optimizer_state
+from ppokit.lm.tiny import build_char_tokenizer, build_tiny_llama
+kind, run_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+Trainer = GRPOTrainer if kind == "grpo" else PPOTrainer
+tok = build_char_tokenizer("ABX:", pad_is_eos=True)
+reward = lambda prompts, completions: [c.count("X") / max(len(c), 4) for c in completions]
+kw = dict(reward=reward, prompts=["X:", "AB:", "BXAX:", "A:"])
+def weights(t):
+    models = [t.policy] + ([t.value_model] if kind == "ppo" else [])
+    return torch.cat([full(p).detach().double().reshape(-1) for m in models for p in m.parameters()]).tolist()
+def moments(t):
+    st = full_optimizer_state(t.optimizer)["state"]
+    return torch.cat([v.double().reshape(-1) for s in st.values() for k, v in s.items() if k == "exp_avg"]).tolist()
+if mode == "train":
+    cfg = LMConfig(learning_rate=3e-3, batch_prompts=4, group_size=2, max_new_tokens=6, beta=0.04, fsdp=True,
+                   save_every=1, tensorboard=False, console=False)
+    t = Trainer(build_tiny_llama(tok, seed=0), tok, config=cfg, run_dir=run_dir, **kw)
+    t.train(2)
+    ids = torch.tensor([[1, 2, 3, 4, 2]])
+    with torch.no_grad():
+        logits = t.policy(input_ids=ids).logits.double().tolist()  # sharded forward: every rank takes part
+else:
+    t = Trainer.resume(run_dir, build_tiny_llama(tok, seed=0), tok, **kw)
+    logits = None
+out = {"weights": weights(t), "moments": moments(t), "logits": logits, "iteration": t.iteration,
+       "world": dist.get_world_size() if dist.is_initialized() else 1}
+if mode == "resume":
+    t.step()  # and it trains on
+    out["after"] = t.iteration
+t.close()
+if not dist.is_initialized() or dist.get_rank() == 0:
+    json.dump(out, open(run_dir + f"/{mode}_{out['world']}.json", "w"))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+def test_a_sharded_run_resumes_on_2_and_1_ranks_and_exports_for_from_pretrained(tmp_path, kind):
+    """fsdp on 2 ranks checkpoints the whole weights and AdamW moments (gathered from the shards); a resume on 2
+    ranks (re-sharded) and in 1 process (unsharded) holds exactly the saved weights and moments and trains on;
+    policy/ loads with from_pretrained in one process and gives the sharded model's logits."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    _torchrun(tmp_path, SAVE_SCRIPT, kind, str(run), "train")
+    _torchrun(tmp_path, SAVE_SCRIPT, kind, str(run), "resume")
+    proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), kind, str(run), "resume"],  # 1 process
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = json.loads((run / "train_2.json").read_text())
+    for world in (2, 1):
+        resumed = json.loads((run / f"resume_{world}.json").read_text())
+        assert resumed["iteration"] == 2 and resumed["after"] == 3, world
+        assert resumed["weights"] == saved["weights"], world  # bit-exact: whole tensors saved, re-cut on load
+        assert resumed["moments"] == saved["moments"], world
+    model = AutoModelForCausalLM.from_pretrained(run / "policy")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 2, 3, 4, 2]])).logits.double()
+    diff = float((logits - torch.tensor(saved["logits"])).abs().max())
+    assert diff < 1e-5, diff

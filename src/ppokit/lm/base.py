@@ -34,7 +34,15 @@ from ppokit.lm.backends import make_generator
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
 from ppokit.lm.config import ConfigError, LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
-from ppokit.lm.fsdp import full, gathered, shard
+from ppokit.lm.fsdp import (
+    full,
+    full_optimizer_state,
+    full_state,
+    gathered,
+    load_full_state,
+    shard,
+    shard_optimizer_state,
+)
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, token_logprobs
@@ -422,30 +430,35 @@ class LMTrainer(LMRunLifecycle):
         beside it under a temp name and swapped in, so a kill mid-save leaves the previous ones readable.
         ``cursor``: the data position and random streams to store instead of the current ones (``_cursor``)."""
         directory = Path(directory)
+        # Sharded (fsdp): every rank takes part in gathering the whole tensors, rank 0 writes them (lm.fsdp).
+        trained = full_state({n: p for n, p in self.policy.named_parameters() if p.requires_grad})
+        whole = full_state(self.policy.state_dict()) if self.sharded else None
+        optimizer = full_optimizer_state(self.optimizer) if self.sharded else self.optimizer.state_dict()
+        extra = self._extra_state()
         if not self.dist.is_main:  # data-parallel: the ranks hold the same weights; rank 0 alone writes
             return directory
         directory.mkdir(parents=True, exist_ok=True)
         if hasattr(self.policy, "save_pretrained"):
-            self._save_policy_dir(directory)
+            self._save_policy_dir(directory, whole)
         state = {
             "algo": self.algo,
             "config": self.config.to_dict(),
             "iteration": self.iteration,
             "completions": self.completions,
-            "policy": {n: p.detach().cpu().clone() for n, p in self.policy.named_parameters() if p.requires_grad},
-            "optimizer": self.optimizer.state_dict(),
+            "policy": trained,
+            "optimizer": optimizer,
             **(self._cursor() if cursor is None else cursor),
             "ref_fingerprint": self._ref_fingerprint,
             "grad_scaler": self.precision.state_dict(),  # fp16's loss scale (None otherwise)
             "lr_horizon": self._lr_horizon,
             # The live alerts' cooldowns and windows, so that a resumed run alerts as an unbroken one would.
             "alerts": {"monitor": self.monitor.state_dict(), "lm": self.lm_alerts.state_dict()},
-            **self._extra_state(),
+            **extra,
         }
         save_checkpoint(directory / CHECKPOINT, state, finite=["policy", "optimizer", *self._finite_keys()])
         return directory
 
-    def _save_policy_dir(self, directory: Path) -> None:
+    def _save_policy_dir(self, directory: Path, state_dict: dict[str, Tensor] | None = None) -> None:
         """``directory/policy`` replaced by a fresh ``save_pretrained`` (written under a temp name beside it; a kill
         leaves temp names that ``rundir.claim`` removes, or, between the two renames, puts back)."""
         from ppokit.runtime.rundir import model_swap_paths
@@ -453,7 +466,7 @@ class LMTrainer(LMRunLifecycle):
         tmp, aside, final = model_swap_paths(directory, uuid.uuid4().hex, self.model_dir)
         try:
             with _quiet_progress():  # no "Writing model shards" bar on stderr at every checkpoint
-                self.policy.save_pretrained(tmp)
+                self.policy.save_pretrained(tmp, state_dict=state_dict)  # None: the module's own
                 if hasattr(self.tokenizer, "save_pretrained"):
                     self.tokenizer.save_pretrained(tmp)
             moved = final.is_dir() and not final.is_symlink()
@@ -496,10 +509,9 @@ class LMTrainer(LMRunLifecycle):
         if missing:
             raise ValueError(f"resume: the model has no parameter {missing[0]!r} the checkpoint holds; pass the "
                              "same architecture (and the same LoRA adapter) as the run's")
-        with torch.no_grad():
-            for name, value in state["policy"].items():
-                params[name].copy_(value.to(params[name].device))
+        load_full_state(trainer.policy, state["policy"], strict=False)  # sharded or not, any number of ranks
         trainer.optimizer.load_state_dict(state["optimizer"])
+        shard_optimizer_state(trainer.optimizer)
         trainer.precision.load_state_dict(state.get("grad_scaler"))
         trainer._lr_horizon = state.get("lr_horizon")
         trainer.iteration, trainer.completions = int(state["iteration"]), int(state["completions"])

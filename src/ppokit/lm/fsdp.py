@@ -18,6 +18,13 @@ another (sampling with the sharded module would all-gather per block at every to
 early would leave the others blocked in the next all-gather). It holds one full copy of the policy's weights per
 rank for the rollout, as verl's and OpenRLHF's rollout engines do.
 
+Checkpoints are consolidated: at a save every rank all-gathers each sharded tensor (``full_state``,
+``full_optimizer_state``) and rank 0 writes the run dir's usual ``trainer_state.pt`` and ``policy/``
+(``save_pretrained`` of the whole weights, which ``from_pretrained`` loads in one process). A resume loads the
+whole tensors on every rank and keeps this rank's shard (``load_full_state``, ``shard_optimizer_state``), so a
+run resumes on any number of ranks, sharded or not. It costs one whole copy of the weights and AdamW states in
+rank 0's host memory at a save; ``torch.distributed.checkpoint``'s per-rank files avoid that (not done yet).
+
 In one process (no launch) ``fsdp`` changes nothing: the models stay whole and the run is the plain one.
 """
 
@@ -29,7 +36,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["transformer_blocks", "shard", "is_sharded", "gathered", "local_bytes", "full"]
+__all__ = ["transformer_blocks", "shard", "is_sharded", "gathered", "local_bytes", "full", "full_state",
+           "load_full_state", "full_optimizer_state", "shard_optimizer_state"]
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -103,3 +111,49 @@ def local_bytes(tensors: list[Tensor]) -> int:
 def full(t: Tensor) -> Tensor:
     """A plain tensor of ``t``'s whole value (a ``DTensor`` is all-gathered: every rank must call it)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state(named: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``named``'s tensors whole, detached, on the CPU (sharded ones all-gathered: every rank must call it, in the
+    same order, which a module's ``state_dict()`` / ``named_parameters()`` gives)."""
+    return {name: full(t.detach()).cpu().clone() for name, t in named.items()}
+
+
+def _like(value: Tensor, target: Tensor) -> Tensor:
+    """``value`` (a whole tensor every rank holds) as ``target`` is laid out: this rank's shard of a ``DTensor``."""
+    value = value.to(device=target.device, dtype=target.dtype)
+    if not hasattr(target, "device_mesh"):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value, target.device_mesh, target.placements)
+
+
+def load_full_state(model: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
+    """Copy whole tensors (``full_state``'s) into ``model``'s parameters and buffers, sharded or not."""
+    own = dict(model.state_dict(keep_vars=True))
+    missing = [n for n in state if n not in own] + ([n for n in own if n not in state] if strict else [])
+    if missing:
+        raise KeyError(missing[0])
+    with torch.no_grad():
+        for name, value in state.items():
+            own[name].copy_(_like(value, own[name]))
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with its sharded moments whole (every rank must call it)."""
+    sd = optimizer.state_dict()
+    return {"state": {i: {k: full(v) if isinstance(v, Tensor) else v for k, v in s.items()}
+                      for i, s in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of a ``full_optimizer_state``: each moment of a sharded parameter cut to this
+    rank's shard (AdamW's ``step`` counter, a scalar, stays as it is)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, Tensor) and hasattr(p, "device_mesh") and not hasattr(v, "device_mesh") \
+                        and tuple(v.shape) == tuple(p.shape):
+                    optimizer.state[p][k] = _like(v, p)

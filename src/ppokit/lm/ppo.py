@@ -32,6 +32,7 @@ from ppokit.core.advantages import gae, normalize
 from ppokit.core.objectives import explained_variance, value_loss
 from ppokit.core.reductions import reduce
 from ppokit.lm.base import LMTrainer, adamw, masked_stats
+from ppokit.lm.fsdp import full_state, load_full_state
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, kl_per_token, position_ids, token_logprobs
 from ppokit.lm.losses import get_loss, settings_for
@@ -148,25 +149,30 @@ class PPOTrainer(LMTrainer):
 
     # ---------------------------------------------------------------- state
     def _extra_state(self) -> dict[str, Any]:
-        return {"value_model": {k: v.detach().cpu().clone() for k, v in self.value_model.state_dict().items()},
+        return {"value_model": full_state(self.value_model.state_dict()),  # sharded: whole (lm.fsdp)
                 "kl_coef": self.kl_coef}
 
     def _finite_keys(self) -> list[str]:
         return ["value_model"]
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self.value_model.load_state_dict(state["value_model"])
+        load_full_state(self.value_model, state["value_model"])
         self.kl_coef = float(state["kl_coef"])
 
     def save(self, directory, cursor=None):
         directory = super().save(directory, cursor)
+        whole = full_state(self.value_model.state_dict()) if self.sharded else None  # every rank gathers
         if not self.dist.is_main:  # rank 0 alone writes
             return directory
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file, save_model
 
         # The whole critic (its trunk is trained too, so the head alone would be no use): ``trunk.*`` and
         # ``head.*``, loadable into ``default_value_model(policy)`` with ``safetensors.torch.load_model``.
-        save_model(self.value_model, str(directory / "value_model.safetensors"))
+        path = str(directory / "value_model.safetensors")
+        if whole is None:
+            save_model(self.value_model, path)
+        else:
+            save_file(whole, path)
         return directory
 
     # ---------------------------------------------------------------- one iteration
