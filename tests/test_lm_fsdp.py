@@ -200,3 +200,14 @@ def test_a_sharded_run_resumes_on_2_and_1_ranks_and_exports_for_from_pretrained(
         logits = model(input_ids=torch.tensor([[1, 2, 3, 4, 2]])).logits.double()
     diff = float((logits - torch.tensor(saved["logits"])).abs().max())
     assert diff < 1e-5, diff
+
+
+@pytest.mark.slow
+def test_bench_lm_scale_smoke_halves_the_per_rank_bytes(tmp_path):
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lm_scale.py"
+    proc = subprocess.run([sys.executable, str(bench), "--smoke"], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ratio = float(proc.stdout.rsplit("ratio 2 ranks / 1 rank (the larger rank):", 1)[1])
+    assert 0.45 < ratio < 0.55, proc.stdout
