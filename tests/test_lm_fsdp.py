@@ -23,22 +23,28 @@ import json, sys
 import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
-from ppokit.lm import GRPOTrainer, LMConfig, PPOTrainer
+from ppokit.lm import DPOTrainer, GRPOTrainer, LMConfig, PPOTrainer, SFTTrainer
 from ppokit.lm.fsdp import full, is_sharded
 from ppokit.lm.tiny import build_char_tokenizer, build_tiny_llama
 reward = lambda prompts, completions: [c.count("X") / max(len(c), 4) for c in completions]
 prompts = ["X:", "AB:", "BXAX:", "A:"]
 out = {}
-for kind in ("grpo", "ppo"):
+pairs = [("X:", "XX", "AB"), ("A:", "XA", "BB"), ("AB:", "XXX", "A"), ("B:", "X", "BA")]
+rows = [{"prompt": p, "completion": c} for p, c, _ in pairs]
+for kind in sys.argv[2].split(","):
     for fsdp in (False, True):
         tok = build_char_tokenizer("ABX:", pad_is_eos=True)
         model = build_tiny_llama(tok, seed=0)
         cfg = LMConfig(learning_rate=3e-3, batch_prompts=4, group_size=4, max_new_tokens=6, update_epochs=2,
                        num_minibatches=2, beta=0.04, fsdp=fsdp, tensorboard=False, console=False)
-        Trainer = GRPOTrainer if kind == "grpo" else PPOTrainer
-        t = Trainer(model, tok, reward=reward, prompts=prompts, config=cfg)
+        if kind in ("grpo", "ppo"):
+            Trainer = GRPOTrainer if kind == "grpo" else PPOTrainer
+            t = Trainer(model, tok, reward=reward, prompts=prompts, config=cfg)
+        else:
+            Trainer = {"dpo": DPOTrainer, "sft": SFTTrainer}[kind]
+            t = Trainer(model, tok, rows if kind == "sft" else pairs, config=cfg)
         assert is_sharded(t.policy) == fsdp and (t.ref_model is None or is_sharded(t.ref_model) == fsdp)
-        losses = [t.step()["losses/policy_loss"] for _ in range(3)]
+        losses = [v for _ in range(3) for k, v in sorted(t.step().items()) if "loss" in k or "nll" in k or "accuracy" in k]
         models = [t.policy] + ([t.value_model] if kind == "ppo" else [])
         params = [full(p).detach().double().reshape(-1) for m in models for p in m.parameters()]
         out[f"{kind}_{'fsdp' if fsdp else 'ddp'}"] = {"losses": losses, "params": torch.cat(params).tolist()}
@@ -69,22 +75,23 @@ def _torchrun(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp_grpo_and_ppo_match_the_data_parallel_run(tmp_path):
-    """GRPO (with pi_ref, sharded) and PPO-RLHF (the critic sharded too) on a tiny Llama: 3 iterations of 2 epochs
-    x 2 minibatches sharded over 2 ranks give the data-parallel run's policy losses and weights."""
+def test_two_rank_fsdp_grpo_ppo_dpo_and_sft_match_the_data_parallel_run(tmp_path):
+    """GRPO (with pi_ref, sharded), PPO-RLHF (the critic sharded too), DPO (pi_ref sharded) and SFT on a tiny
+    Llama: 3 iterations (GRPO/PPO: of 2 epochs x 2 minibatches) sharded over 2 ranks give the data-parallel
+    run's losses and weights."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import torch
 
-    _torchrun(tmp_path, PARITY_SCRIPT, str(tmp_path / "out.json"))
+    _torchrun(tmp_path, PARITY_SCRIPT, str(tmp_path / "out.json"), "grpo,ppo,dpo,sft")
     out = json.loads((tmp_path / "out.json").read_text())
-    for kind in ("grpo", "ppo"):
+    for kind in ("grpo", "ppo", "dpo", "sft"):
         ddp, fsdp = out[f"{kind}_ddp"], out[f"{kind}_fsdp"]
-        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4, abs=1e-6), kind
+        assert len(ddp["losses"]) >= 3 and fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4, abs=1e-6), kind
         a, b = torch.tensor(ddp["params"]), torch.tensor(fsdp["params"])
         assert a.shape == b.shape, kind
         diff = float((a - b).abs().max())
         print(kind, "max |param diff|", diff, "losses", ddp["losses"], fsdp["losses"])
-        assert diff < 1e-5, (kind, diff)  # measured: 6e-8 (GRPO), 1.2e-7 (PPO)
+        assert diff < 1e-5, (kind, diff)  # measured: 6e-8 (GRPO, SFT), 1.2e-7 (PPO), 0 (DPO)
 
 
 MEMORY_SCRIPT = r'''
