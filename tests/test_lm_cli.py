@@ -116,6 +116,15 @@ def test_bad_config_values_name_the_field(workdir, model_dir, capsys):
         _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", flag, value)), field)
 
 
+def test_fsdp_refuses_lora_and_fp16_in_one_line_and_runs_unsharded_in_one_process(workdir, model_dir, capsys):
+    _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--fsdp", "--lora")),
+                    "--fsdp", "LoRA")
+    _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--fsdp", "--dtype", "fp16")),
+                    "fsdp", "bf16")
+    assert main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--run-dir", "whole", "--fsdp")) == 0
+    assert json.loads((workdir / "whole" / "lm_run.json").read_text())["config"]["fsdp"] is True
+
+
 def test_grpo_trains_micro_batched_in_bf16_with_a_cosine_schedule(workdir, model_dir, capsys):
     assert main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--run-dir", "mixed", "--micro-batch-size", "1",
                       "--dtype", "bf16", "--lr-scheduler", "cosine", "--warmup-steps", "1")) == 0

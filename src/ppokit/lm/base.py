@@ -32,8 +32,17 @@ from ppokit.diagnostics.monitor import Monitor
 from ppokit.lm.alerts import LMAlerts
 from ppokit.lm.backends import make_generator
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
-from ppokit.lm.config import LMConfig
+from ppokit.lm.config import ConfigError, LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
+from ppokit.lm.fsdp import (
+    full,
+    full_optimizer_state,
+    full_state,
+    gathered,
+    load_full_state,
+    shard,
+    shard_optimizer_state,
+)
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, token_logprobs
@@ -138,6 +147,15 @@ class LMTrainer(LMRunLifecycle):
         if self.uses_reference:
             self._init_reference(ref_model)
         self._ref_fingerprint = "" if self.ref_model is None else _fingerprint(self.ref_model)
+        self._init_critic()  # PPO's value model, copied from the whole policy before it is sharded
+        # fsdp under torchrun: the models sharded per block, now that every rank holds rank 0's weights (lm.fsdp).
+        self.sharded = cfg.fsdp and self.dist.active
+        if self.sharded:
+            if is_peft_model(self.policy):
+                raise ConfigError("fsdp", "does not shard a LoRA (PEFT) policy yet; drop --lora or --fsdp")
+            for m in (self.policy, self.ref_model, getattr(self, "value_model", None)):
+                if m is not None:
+                    shard(m, cfg.dtype)
         self.reward = None if reward is None else make_reward(reward, tokenizer, cfg.micro_batch_size)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
         self.backend = make_generator(cfg.sampler)
@@ -191,6 +209,15 @@ class LMTrainer(LMRunLifecycle):
         else:
             self.ref_model = frozen_copy(self.policy)
 
+    def _init_critic(self) -> None:
+        """A trainer with a value model builds it here (``self.value_model``); none by default."""
+
+    @property
+    def sync(self):
+        """The epoch loop's sync hook: gradients and statistics averaged over the ranks, or, with the models
+        sharded, the statistics alone (FSDP reduce-scatters the gradients in the backward); None in one process."""
+        return self.dist.stats_sync if self.sharded else self.dist.sync
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.policy.parameters() if p.requires_grad]
 
@@ -242,10 +269,10 @@ class LMTrainer(LMRunLifecycle):
             self.precision.backward(part)
             loss = loss + part.detach().float()
         params = self.trainable_parameters()
-        if self.dist.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
-            self.dist.sync([p.grad for p in params if p.grad is not None], [loss])
+        if self.sync is not None:  # data-parallel: the gradient and loss averaged over the ranks
+            self.sync([p.grad for p in params if p.grad is not None], [loss])
         self.precision.unscale(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        grad_norm = full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))  # sharded: over every shard
         loss_v, grad_v = torch.stack([loss, grad_norm.float()]).tolist()
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
         if skipped:
@@ -287,7 +314,7 @@ class LMTrainer(LMRunLifecycle):
             check_context(self.tokenizer, self.policy, list(dict.fromkeys(prompts)), self.config.max_new_tokens,
                           where="this iteration's prompts")
         self.policy.eval()
-        with self._rng(rng), self.precision.autocast():
+        with self._rng(rng), self.precision.autocast(), gathered(self.policy):  # sharded: full weights to sample
             out = sample(self.policy, self.tokenizer, self.backend, prompts, self.sampling,
                          self.reward if reward else None, self.device,
                          ref_logprobs=self.ref_logprobs if with_ref and self.has_reference else None,
@@ -322,7 +349,7 @@ class LMTrainer(LMRunLifecycle):
             raise ValueError(f"evaluate: n must be a positive integer (completions per prompt), got {n!r}")
         repeated = [p for p in prompts for _ in range(n)]
         raw, scores, lengths, eos, texts = [], [], [], [], []
-        with self._rng("eval"), self.precision.autocast():
+        with self._rng("eval"), self.precision.autocast(), gathered(self.policy):
             for i in range(0, len(repeated), self.config.rollout_size):
                 s = sample(self.policy.eval(), self.tokenizer, self.backend, repeated[i:i + self.config.rollout_size],
                            self.sampling, self.reward, self.device,
@@ -403,30 +430,35 @@ class LMTrainer(LMRunLifecycle):
         beside it under a temp name and swapped in, so a kill mid-save leaves the previous ones readable.
         ``cursor``: the data position and random streams to store instead of the current ones (``_cursor``)."""
         directory = Path(directory)
+        # Sharded (fsdp): every rank takes part in gathering the whole tensors, rank 0 writes them (lm.fsdp).
+        trained = full_state({n: p for n, p in self.policy.named_parameters() if p.requires_grad})
+        whole = full_state(self.policy.state_dict()) if self.sharded else None
+        optimizer = full_optimizer_state(self.optimizer) if self.sharded else self.optimizer.state_dict()
+        extra = self._extra_state()
         if not self.dist.is_main:  # data-parallel: the ranks hold the same weights; rank 0 alone writes
             return directory
         directory.mkdir(parents=True, exist_ok=True)
         if hasattr(self.policy, "save_pretrained"):
-            self._save_policy_dir(directory)
+            self._save_policy_dir(directory, whole)
         state = {
             "algo": self.algo,
             "config": self.config.to_dict(),
             "iteration": self.iteration,
             "completions": self.completions,
-            "policy": {n: p.detach().cpu().clone() for n, p in self.policy.named_parameters() if p.requires_grad},
-            "optimizer": self.optimizer.state_dict(),
+            "policy": trained,
+            "optimizer": optimizer,
             **(self._cursor() if cursor is None else cursor),
             "ref_fingerprint": self._ref_fingerprint,
             "grad_scaler": self.precision.state_dict(),  # fp16's loss scale (None otherwise)
             "lr_horizon": self._lr_horizon,
             # The live alerts' cooldowns and windows, so that a resumed run alerts as an unbroken one would.
             "alerts": {"monitor": self.monitor.state_dict(), "lm": self.lm_alerts.state_dict()},
-            **self._extra_state(),
+            **extra,
         }
         save_checkpoint(directory / CHECKPOINT, state, finite=["policy", "optimizer", *self._finite_keys()])
         return directory
 
-    def _save_policy_dir(self, directory: Path) -> None:
+    def _save_policy_dir(self, directory: Path, state_dict: dict[str, Tensor] | None = None) -> None:
         """``directory/policy`` replaced by a fresh ``save_pretrained`` (written under a temp name beside it; a kill
         leaves temp names that ``rundir.claim`` removes, or, between the two renames, puts back)."""
         from ppokit.runtime.rundir import model_swap_paths
@@ -434,7 +466,7 @@ class LMTrainer(LMRunLifecycle):
         tmp, aside, final = model_swap_paths(directory, uuid.uuid4().hex, self.model_dir)
         try:
             with _quiet_progress():  # no "Writing model shards" bar on stderr at every checkpoint
-                self.policy.save_pretrained(tmp)
+                self.policy.save_pretrained(tmp, state_dict=state_dict)  # None: the module's own
                 if hasattr(self.tokenizer, "save_pretrained"):
                     self.tokenizer.save_pretrained(tmp)
             moved = final.is_dir() and not final.is_symlink()
@@ -477,10 +509,9 @@ class LMTrainer(LMRunLifecycle):
         if missing:
             raise ValueError(f"resume: the model has no parameter {missing[0]!r} the checkpoint holds; pass the "
                              "same architecture (and the same LoRA adapter) as the run's")
-        with torch.no_grad():
-            for name, value in state["policy"].items():
-                params[name].copy_(value.to(params[name].device))
+        load_full_state(trainer.policy, state["policy"], strict=False)  # sharded or not, any number of ranks
         trainer.optimizer.load_state_dict(state["optimizer"])
+        shard_optimizer_state(trainer.optimizer)
         trainer.precision.load_state_dict(state.get("grad_scaler"))
         trainer._lr_horizon = state.get("lr_horizon")
         trainer.iteration, trainer.completions = int(state["iteration"]), int(state["completions"])

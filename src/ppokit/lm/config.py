@@ -132,6 +132,9 @@ class LMConfig:
                                       "accumulates the gradients of its minibatch over them, each weighted by its "
                                       "share of the loss's normalizer (the same gradient as one pass); none: the "
                                       "whole batch at once, > 0")
+    fsdp: bool = _f(False, "under torchrun (or --nproc K): shard the policy, pi_ref and the value model over the "
+                    "ranks with FSDP2 (fully_shard per transformer block, then the root), so each rank holds 1/K of "
+                    "their weights, gradients and AdamW states (ppokit.lm.fsdp); in one process it runs unsharded")
     # --- output ---
     log_every: int = _f(10, "print a metrics table every this many iterations (with a run dir)")
     save_every: int = _f(10, "with a run dir, write a resumable checkpoint (trainer_state.pt and policy/) every "
@@ -254,6 +257,8 @@ class LMConfig:
 
         check_device(self.device)
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(not (self.fsdp and self.dtype == "fp16"), "fsdp",
+             "runs with dtype bf16 or fp32 (FSDP2's mixed precision), not fp16; use --dtype bf16")
         from ppokit.lm.precision import autocast_problem
 
         problem = autocast_problem(self.device, self.dtype)

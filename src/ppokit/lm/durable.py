@@ -90,7 +90,7 @@ class LMRunLifecycle:
         return None if self.run_dir is None else self.run_dir / CHECKPOINT
 
     def _checkpoint(self) -> None:
-        if self.run_dir is None or not self.dist.is_main:
+        if self.run_dir is None or not (self.dist.is_main or self.sharded):  # sharded: every rank gathers
             return
         self.save(self.run_dir)
         self._saved_iteration = self.iteration
@@ -101,6 +101,8 @@ class LMRunLifecycle:
         path = self.checkpoint_path
         if path is None or not self.dist.is_main:
             note = "nothing was saved (no run dir)"
+        elif self.sharded:  # a save gathers the shards from every rank, which a failure on one rank may not reach
+            note = f"a sharded (fsdp) run keeps its last checkpoint in {path}"
         elif self._saved_iteration == self.iteration:
             note = f"the checkpoint of iteration {self.iteration} in {path} is up to date"
         elif self.iteration == 0:
@@ -126,6 +128,8 @@ class LMRunLifecycle:
         path = self.checkpoint_path
         if path is None or not self.dist.is_main:
             return "nothing was saved (no run dir)"
+        if self.sharded:  # the other ranks may not reach a save (see _save_after_failure)
+            return f"a sharded (fsdp) run keeps its last checkpoint in {path}"
         try:
             self._checkpoint()
             return f"saved iteration {self.iteration} to {path}"

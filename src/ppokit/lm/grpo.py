@@ -181,7 +181,7 @@ class GRPOTrainer(LMTrainer):
                          self.precision)
         with self._training_mode():
             if len(train):
-                update = ppo_epochs(train, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
+                update = ppo_epochs(train, settings, step, sync=self.sync, generator=self._shuffle)  # None: 1 process
             else:  # every group was dropped (drop_zero_std_groups): nothing to learn from this rollout
                 update = {name: float("nan") for name in ("policy_loss", "entropy", "approx_kl", "approx_kl_k1",
                                                           "clipfrac", "grad_norm")}

@@ -32,6 +32,7 @@ from ppokit.core.advantages import gae, normalize
 from ppokit.core.objectives import explained_variance, value_loss
 from ppokit.core.reductions import reduce
 from ppokit.lm.base import LMTrainer, adamw, masked_stats
+from ppokit.lm.fsdp import full_state, load_full_state
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, kl_per_token, position_ids, token_logprobs
 from ppokit.lm.losses import get_loss, settings_for
@@ -120,9 +121,20 @@ class PPOTrainer(LMTrainer):
 
     def __init__(self, model: nn.Module, tokenizer: Any, reward: Any, prompts: Any, config=None, run_dir=None,
                  ref_model: nn.Module | None = None, value_model: nn.Module | None = None, *, overwrite: bool = False):
+        self._given_value_model = value_model
         super().__init__(model, tokenizer, config, run_dir, ref_model, reward=reward, prompts=prompts)
         self.overwrite = overwrite
         cfg = self.config
+        self.kl_coef = float(cfg.kl_coef)
+        self._tokens_per_minibatch: float | None = None
+        params = [{"params": self.trainable_parameters()},
+                  {"params": [p for p in self.value_model.parameters() if p.requires_grad]}]
+        self.optimizer = adamw(params, cfg.learning_rate, cfg.weight_decay)
+
+    def _init_critic(self) -> None:
+        """The value model (the base calls it before sharding: the default one is a copy of the whole policy)."""
+        cfg = self.config
+        value_model, self._given_value_model = self._given_value_model, None
         self.value_model = (value_model if value_model is not None else default_value_model(self.policy))
         self.value_model.to(self.device)
         if self.precision.enabled:  # autocast: its trainable weights are float32 master weights too
@@ -134,33 +146,33 @@ class PPOTrainer(LMTrainer):
             fuse_activations(self.value_model)
         self.value_model.eval()
         self.dist.prepare(self.value_model, None, [])  # data-parallel: rank 0's value head everywhere
-        self.kl_coef = float(cfg.kl_coef)
-        self._tokens_per_minibatch: float | None = None
-        params = [{"params": self.trainable_parameters()},
-                  {"params": [p for p in self.value_model.parameters() if p.requires_grad]}]
-        self.optimizer = adamw(params, cfg.learning_rate, cfg.weight_decay)
 
     # ---------------------------------------------------------------- state
     def _extra_state(self) -> dict[str, Any]:
-        return {"value_model": {k: v.detach().cpu().clone() for k, v in self.value_model.state_dict().items()},
+        return {"value_model": full_state(self.value_model.state_dict()),  # sharded: whole (lm.fsdp)
                 "kl_coef": self.kl_coef}
 
     def _finite_keys(self) -> list[str]:
         return ["value_model"]
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self.value_model.load_state_dict(state["value_model"])
+        load_full_state(self.value_model, state["value_model"])
         self.kl_coef = float(state["kl_coef"])
 
     def save(self, directory, cursor=None):
         directory = super().save(directory, cursor)
+        whole = full_state(self.value_model.state_dict()) if self.sharded else None  # every rank gathers
         if not self.dist.is_main:  # rank 0 alone writes
             return directory
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file, save_model
 
         # The whole critic (its trunk is trained too, so the head alone would be no use): ``trunk.*`` and
         # ``head.*``, loadable into ``default_value_model(policy)`` with ``safetensors.torch.load_model``.
-        save_model(self.value_model, str(directory / "value_model.safetensors"))
+        path = str(directory / "value_model.safetensors")
+        if whole is None:
+            save_model(self.value_model, path)
+        else:
+            save_file(whole, path)
         return directory
 
     # ---------------------------------------------------------------- one iteration
@@ -220,7 +232,7 @@ class PPOTrainer(LMTrainer):
         step = TokenStep(self._loss, self.optimizer, self.device, cfg.max_grad_norm, cfg.micro_batch_size,
                          self.precision)
         with self._training_mode():
-            update = ppo_epochs(b, settings, step, sync=self.dist.sync, generator=self._shuffle)  # None: 1 process
+            update = ppo_epochs(b, settings, step, sync=self.sync, generator=self._shuffle)  # None: 1 process
         t_update = time.perf_counter() - t0
         self.iteration += 1
         self.completions += len(b) * self.dist.world_size

@@ -205,6 +205,12 @@ class Dist:
         """The epoch loop's ``sync`` hook (None in one process)."""
         return self._sync if self.active else None
 
+    @property
+    def stats_sync(self) -> Callable[[list[Tensor], list[Tensor]], None] | None:
+        """The sync hook of a sharded (FSDP) model, whose gradients FSDP has already averaged in the backward:
+        the statistics alone are averaged, so the guards decide alike on every rank (None in one process)."""
+        return (lambda gradients, stats: self._sync([], stats)) if self.active else None
+
     def _sync(self, gradients: list[Tensor], stats: list[Tensor]) -> None:
         """Replace each gradient and statistic by its mean over the ranks: ONE all-reduce of one flat buffer."""
         tensors = list(stats) if self.no_sync else [*gradients, *stats]

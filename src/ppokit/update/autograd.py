@@ -112,6 +112,8 @@ class AutogradGuards:
         """Clip the gradients in place to ``max_grad_norm``; ``(norm before clipping, loss, norm, approx KL)`` with
         the three floats read from the device at once (one host sync serves the NaN skip and the KL early stop)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP-sharded gradients: the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
         loss_v, grad_v, kl_v = torch.stack([self._loss.detach().float(), grad_norm.float(),
                                             self._stats["approx_kl"].float()]).tolist()
         return grad_norm, loss_v, grad_v, kl_v
