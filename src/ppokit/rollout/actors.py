@@ -1,0 +1,371 @@
+"""Decoupled rollout workers (``--actors K``): IMPALA's actor-learner split (Espeholt et al. 2018) on one machine.
+
+``ActorPool`` is a ``RolloutSource`` (``source.py``): K worker processes (torch.multiprocessing, spawn, one torch
+thread each) each build their own ``num_envs`` envs the way the trainer does and a copy of the policy, and run a
+plain ``collector.Collector`` over them, chunk after chunk of ``num_steps`` steps. Each chunk (every rollout
+field, the bootstrap observation, finished episodes, the acting policy version) goes to the learner through a
+multiprocessing queue; torch moves its tensors into shared memory. Between chunks a worker loads the newest
+published weights (a shared-memory state_dict and a version counter, under a lock).
+
+The learner takes one chunk per update into its ``[T, N]`` buffer, dropping (and counting) those more than
+``max_policy_lag`` versions old; ``vtrace_targets`` then gives the update V-trace targets and APPO's advantages
+under the CURRENT policy, and the usual PPO epochs run with the clipped surrogate against the behaviour
+log-probs frozen in the chunk.
+
+Observation normalization stays one set of statistics, the learner's: each worker normalizes with the published
+statistics and ships the moments of the observations it added (``normalize.split_moments``), which the learner
+merges in (``merge_moments``), dropped chunks included. Reward scaling is per env, hence per worker.
+
+Faults: a worker that raises reports it and exits; one that dies otherwise (kill -9) is noticed within
+``POLL_S``; either is named in one line on stderr and replaced by a fresh worker (new env seeds), counted in
+``diag/actor_replacements``. Workers ignore Ctrl-C (the learner finishes its update and stops them) and die with
+the learner (``die_with_parent``). Not supported yet, refused by the config: recurrent policies, capture_video,
+a CUDA learner; by ``build``: data-parallel ranks and a custom env or policy factory (a worker must rebuild them).
+A truncated episode's bootstrap V(final obs) is the behaviour policy's (the worker computes it at acting time).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ppokit.core.batch import flatten_steps, tree_copy_, tree_map
+from ppokit.core.schema import PERF_PHASES
+from ppokit.core.vtrace import vtrace
+from ppokit.envs.errors import EnvError, env_failure
+from ppokit.envs.watchdog import NO_WATCHDOG, die_with_parent
+from ppokit.rollout.buffer import ROLLOUT_FIELDS, RolloutBuffer
+from ppokit.rollout.collector import Collector
+from ppokit.rollout.normalize import merge_moments, split_moments
+
+__all__ = ["ActorPool", "actor_backend", "vtrace_targets", "POLL_S", "STOP_GRACE_S"]
+
+# The learner looks at its workers at least this often while it waits for a chunk, so a kill -9 is noticed within
+# it; a worker waiting to hand over a chunk looks at the stop flag as often.
+POLL_S = 0.2
+# A stopping worker finishes its chunk (Hopper: 2048 steps, ~1.5 s on this machine) and is killed after this.
+STOP_GRACE_S = 5.0
+# A worker that raised has put its report on the queue: this exit code says so (the learner then reads the report
+# instead of guessing from the exit code).
+_REPORTED = 3
+# Replacements in a row with no chunk between them: the workers cannot run at all (an env that fails at once).
+_MAX_FAILURES_IN_A_ROW = 3
+
+
+def actor_backend(config: Any) -> Any:
+    """The ``rollout=`` backend (``source.RolloutBackend``) of ``config.actors`` workers."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None and getattr(sys.modules.get("__main__"), "__name__",
+                                                                 "") == "__mp_main__":
+        # Python's spawn start method imports the starting script again in every worker.
+        from ppokit.core.errors import ConfigError
+
+        raise ConfigError("actors", "the script that trains runs again in each actor process: put its training "
+                          "call under if __name__ == '__main__':")
+    def backend(*args: Any, **kwargs: Any) -> ActorPool:
+        return ActorPool(*args, config=config, **kwargs)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------- shared state
+class _Shared:
+    """What the learner and its workers share: the published weights and normalizer statistics (shared-memory
+    tensors), their version, a lock, the chunk queue and the stop flag."""
+
+    def __init__(self, ctx: Any, policy: torch.nn.Module, obs_norm: Any, queue_size: int):
+        def shared(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True).share_memory_()
+        self.weights = {k: shared(v) for k, v in policy.state_dict().items()}
+        self.obs_stats = tree_map(shared, obs_norm.state_dict()) if obs_norm is not None else None
+        self.version = ctx.Value("q", -1, lock=False)  # read without the lock: a stale read only delays a load
+        self.lock = ctx.Lock()
+        self.queue = ctx.Queue(maxsize=queue_size)
+        self.stop = ctx.Event()
+
+    def push(self, policy: torch.nn.Module, obs_norm: Any, version: int) -> None:
+        """Publish the learner's weights (and statistics) as ``version``."""
+        with self.lock, torch.no_grad():
+            for k, v in policy.state_dict().items():
+                self.weights[k].copy_(v)
+            if obs_norm is not None:
+                tree_copy_(self.obs_stats, obs_norm.state_dict())
+            self.version.value = version
+
+    def pull(self, policy: torch.nn.Module, obs_norm: Any, have: int) -> int:
+        """Load the newest published weights into a worker's ``policy`` if newer than ``have``; their version."""
+        if self.version.value == have:
+            return have
+        with self.lock, torch.no_grad():
+            policy.load_state_dict(self.weights)
+            if obs_norm is not None:
+                obs_norm.load_state_dict(self.obs_stats)
+            return int(self.version.value)
+
+    def put(self, item: dict) -> bool:
+        """Hand ``item`` to the learner; False once the learner asked the workers to stop."""
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+# ---------------------------------------------------------------------------------------- the worker
+def _rms_leaves(state: dict, path: tuple = ()) -> list[tuple[tuple, dict]]:
+    """The ``RunningMeanStd`` states in a normalizer's state (one, or one per part of a Dict observation)."""
+    if "count" in state:
+        return [(path, state)]
+    return [leaf for key in sorted(state) for leaf in _rms_leaves(state[key], path + (key,))]
+
+
+def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Shared) -> None:
+    """A rollout worker's process: chunks of ``cfg.num_steps`` steps until the learner says stop."""
+    die_with_parent(pid_parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it finishes the update, then stops us
+    torch.set_num_threads(1)
+    try:
+        _act(slot, cfg, seed, shared)
+    except BaseException as exc:  # noqa: BLE001 - whatever it was, the learner names it in one line
+        message = f"{type(exc).__name__}: {' '.join(str(exc).split()) or '(no message)'}"
+        try:
+            shared.queue.put({"kind": "error", "slot": slot, "pid": os.getpid(), "message": message}, timeout=5.0)
+            shared.queue.close()
+            shared.queue.join_thread()  # the report is in the pipe before the exit code says it is
+        except Exception:  # noqa: BLE001 - the learner sees the exit code instead
+            os._exit(1)
+        os._exit(_REPORTED)
+    shared.queue.cancel_join_thread()  # stopping: a chunk nobody will read must not hold the exit
+    os._exit(0)
+
+
+def _act(slot: int, cfg: Any, seed: int, shared: _Shared) -> None:
+    from ppokit.envs.encoders import observation_encoder
+    from ppokit.envs.run_envs import make_train_envs
+    from ppokit.policies import config_policy
+    from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
+
+    torch.manual_seed(seed)
+    envs = make_train_envs(cfg)
+    obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    policy = config_policy(obs_space, act_space, cfg)
+    obs_norm = make_obs_normalizer(observation_encoder(obs_space)) if cfg.normalize_obs else None
+    reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma) if cfg.normalize_reward else None
+
+    def fail(step: int, rollout_start: int, exc: BaseException | None = None, detail: str | None = None) -> EnvError:
+        return env_failure(cfg.env_id, "step()", step, exc, envs, detail)
+
+    collector = Collector(envs, policy, policy, num_steps=cfg.num_steps, device=torch.device("cpu"),
+                          env_id=cfg.env_id, obs_norm=obs_norm, reward_scaler=reward_scaler,
+                          perf=dict.fromkeys(PERF_PHASES, 0.0), fail=fail)
+    collector.watchdog = NO_WATCHDOG
+    collector.reset(seed)
+    envs.action_space.seed(seed)
+    names = [f.name for f in ROLLOUT_FIELDS.fields() if collector.buffer.__dict__[f.name] is not None]
+    version, step = -1, 0
+    try:
+        while not shared.stop.is_set():
+            version = shared.pull(policy, obs_norm, version)
+            before = obs_norm.state_dict() if obs_norm is not None else None
+            collector.publish(policy, version)
+            episodes, nonfinite = collector.collect(step)
+            step += cfg.num_steps * cfg.num_envs
+            moments = None
+            if obs_norm is not None:  # the moments of the observations this chunk added to the statistics
+                after = dict(_rms_leaves(obs_norm.state_dict()))
+                moments = [(path, *split_moments(old, after[path])) for path, old in _rms_leaves(before)]
+            buf = collector.buffer
+            chunk = {"kind": "chunk", "slot": slot, "pid": os.getpid(), "version": version,
+                     "fields": {name: tree_map(torch.clone, buf.__dict__[name]) for name in names},
+                     "last_obs": tree_map(torch.clone, collector.last_obs), "episodes": episodes,
+                     "life_episodes": list(collector.life_episodes), "nonfinite": nonfinite, "moments": moments}
+            if not shared.put(chunk):
+                break
+    finally:
+        envs.close()
+
+
+# ---------------------------------------------------------------------------------------- the learner's side
+class ActorPool(Collector):
+    """The learner's side of ``config.actors`` rollout workers (see the module docstring).
+
+    It is a ``Collector`` over the learner's own (idle) envs for everything but the rollout: the buffer's layout,
+    ``normalize``, the checkpoint's loop state. The workers start at the first ``publish``, with its weights.
+    """
+
+    stale = True  # a chunk may come from weights older than the last published
+
+    def __init__(self, *args: Any, config: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.config = config
+        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.workers: dict[int, Any] = {}  # slot -> Process
+        self.starts = 0  # workers started so far (each gets its own env seeds)
+        self.replacements = self.dropped = self.taken = 0
+        self._failures_in_a_row = 0
+        self._seed = config.seed
+        self._shared: _Shared | None = None
+
+    # ------------------------------------------------------------------ the source's side of the learner
+    def reset(self, seed: int) -> None:
+        """The learner's own envs (the checkpoint's loop state); the workers' envs are seeded from ``seed``."""
+        super().reset(seed)
+        self._seed = seed
+
+    def publish(self, weights: Any, version: int) -> None:
+        """Publish the weights of update ``version`` to the workers (the first call starts them)."""
+        self.policy_version = version
+        if self._shared is None:
+            self._shared = _Shared(self.ctx, weights, self.obs_norm, queue_size=self.config.actors)
+            self._shared.push(weights, self.obs_norm, version)
+            for slot in range(self.config.actors):
+                self._start(slot)
+            return
+        self._shared.push(weights, self.obs_norm, version)
+
+    def collect(self, global_step: int) -> tuple[list, int]:
+        """Wait for the next chunk recent enough to train on, and copy it into the buffer."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        while True:
+            item = self._next_item()
+            if item["kind"] == "error":
+                self._replace(item["slot"], item["pid"], item["message"])
+                continue
+            self._failures_in_a_row = 0
+            self._merge_moments(item["moments"])
+            if self.policy_version - item["version"] > cfg.max_policy_lag:
+                self.dropped += 1
+                continue
+            break
+        self.taken += 1
+        buf: RolloutBuffer = self.buffer
+        for name, value in item["fields"].items():
+            tree_copy_(buf.__dict__[name], value)
+        self.last_obs = tree_map(lambda t: t.to(self.device), item["last_obs"])
+        self.life_episodes = item["life_episodes"]
+        self.perf["env"] += time.perf_counter() - t0  # the learner's wait for its actors
+        return item["episodes"], item["nonfinite"]
+
+    def diagnostics(self) -> dict[str, float]:
+        """The actors' side of the update's metrics (``core.schema.STALE_SOURCE_METRICS``)."""
+        from ppokit.core import schema as S
+
+        seen = self.dropped + self.taken
+        return {S.DROPPED_CHUNKS_FRAC: self.dropped / seen if seen else 0.0,
+                S.ACTOR_REPLACEMENTS: float(self.replacements)}
+
+    def close(self) -> None:
+        """Stop every worker (bounded by ``STOP_GRACE_S``, then killed); idempotent."""
+        shared, self._shared = self._shared, None
+        if shared is None:
+            return
+        shared.stop.set()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.workers.values():
+            while proc.is_alive() and time.monotonic() < deadline:
+                _drain(shared.queue)  # a worker blocked handing over a chunk sees the stop flag
+                proc.join(timeout=POLL_S)
+        for proc in self.workers.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=1.0)
+        _drain(shared.queue)
+        shared.queue.close()
+        shared.queue.cancel_join_thread()
+        self.workers.clear()
+
+    # ------------------------------------------------------------------ workers
+    def _start(self, slot: int) -> None:
+        cfg = self.config
+        # Every worker ever started gets envs seeded apart from every other's: seed + i for env i of start s.
+        seed = self._seed + (1 + self.starts) * cfg.num_envs * 1000 + slot * cfg.num_envs
+        self.starts += 1
+        proc = self.ctx.Process(target=_worker_main, args=(slot, os.getpid(), cfg, seed, self._shared),
+                                name=f"ppokit-actor-{slot}", daemon=False)  # daemon=False: async envs start children
+        proc.start()
+        self.workers[slot] = proc
+
+    def _replace(self, slot: int, pid: int, why: str) -> None:
+        proc = self.workers.get(slot)
+        if proc is None or proc.pid != pid:
+            return  # already replaced
+        proc.join(timeout=STOP_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=1.0)
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row > _MAX_FAILURES_IN_A_ROW * self.config.actors:
+            raise EnvError(f"actor {slot} (pid {pid}) died: {why}; {self._failures_in_a_row} workers in a row died "
+                           "before any chunk arrived, so the actors cannot run; check the env with --actors 0 (a script "
+                           "needs its training call under if __name__ == '__main__')")
+        self._start(slot)
+        self.replacements += 1
+        line = (f"ppokit: actor {slot} (pid {pid}) died: {why}; replaced by pid {self.workers[slot].pid} "
+                f"({self.replacements} replaced so far)\n")
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+    def _check_workers(self) -> None:
+        for slot, proc in list(self.workers.items()):
+            code = proc.exitcode
+            if code is None or code == _REPORTED:  # alive, or its report is on the queue
+                continue
+            why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            self._replace(slot, proc.pid, why)
+
+    def _next_item(self) -> dict:
+        while True:
+            self._check_workers()
+            try:
+                return self._shared.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+
+    def _merge_moments(self, moments: list | None) -> None:
+        """Merge a chunk's observation moments into the learner's statistics (published with the next weights)."""
+        if not moments or self.obs_norm is None:
+            return
+        state = self.obs_norm.state_dict()
+        leaves = dict(_rms_leaves(state))
+        for path, n, mean, var in moments:
+            if n > 0:
+                rms = leaves[path]
+                rms["count"], rms["mean"], rms["var"] = merge_moments(rms["count"], rms["mean"], rms["var"], n,
+                                                                      mean, var)
+        self.obs_norm.load_state_dict(state)
+
+
+def _drain(q: Any) -> None:
+    try:
+        while True:
+            q.get_nowait()
+    except (queue.Empty, OSError, ValueError, EOFError):
+        return
+
+
+# ---------------------------------------------------------------------------------------- V-trace
+def vtrace_targets(policy: Any, buffer: RolloutBuffer, last_obs: Any, gamma: float, lam: float) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` ``[T, N]`` of a chunk under the current ``policy``: V-trace targets as returns,
+    APPO's ``rho_t (r_t + gamma vs_{t+1} - V(x_t))`` as advantages (``core.vtrace``), with ``lam`` on the traces.
+    ``buffer.values`` becomes the current policy's V(x_t) (the value loss and its clipping start from it); the
+    behaviour log-probs in ``buffer.logp`` stay the surrogate's denominator."""
+    T, N = buffer.rewards.shape
+    with torch.inference_mode():
+        masks = None if buffer.masks is None else flatten_steps(buffer.masks)
+        logp, _, values = policy.evaluate(flatten_steps(buffer.obs), flatten_steps(buffer.actions),
+                                          action_mask=masks)
+        buffer.values.copy_(values.reshape(T, N))
+        next_values = buffer.next_values(policy.value(last_obs))
+        vs, advantages = vtrace(buffer.logp, logp.reshape(T, N), buffer.rewards, buffer.values, next_values,
+                                buffer.terminated, buffer.truncated, gamma, lam)
+    return advantages, vs
