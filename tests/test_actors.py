@@ -1,0 +1,174 @@
+"""Decoupled rollout workers (``--actors K``, rollout/actors.py): real CartPole runs in worker processes, checked
+by what the run writes and by pid."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from ppokit.config.ppo_config import ConfigError, PPOConfig, load_preset
+from ppokit.core import schema as S
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+LAG_COLUMNS = (S.POLICY_LAG, S.POLICY_LAG_MEAN, S.DROPPED_CHUNKS_FRAC, S.ACTOR_REPLACEMENTS)
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+
+
+def _train(run_dir: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ppokit", "train", "--preset", "cartpole", "--seed", "1",
+                             "--run-dir", str(run_dir), "--no-tensorboard", "--quiet", *flags],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _actor_pids(proc: psutil.Process) -> list[int]:
+    """The learner's rollout workers (spawned interpreters named ppokit-actor-K by multiprocessing)."""
+    return [c.pid for c in proc.children() if "multiprocessing.spawn" in " ".join(c.cmdline())]
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+def test_cartpole_with_two_actors_learns_and_logs_the_lag(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, "--actors", "2", "--total-timesteps", "30000")
+    kids: list[int] = []
+    while proc.poll() is None:  # the workers, while they live
+        try:
+            kids = sorted(set(kids) | set(_actor_pids(psutil.Process(proc.pid))))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    rows = _rows(run_dir)
+    for col in LAG_COLUMNS:
+        assert col in rows[0], col
+    returns = [float(r[S.EPISODIC_RETURN]) for r in rows if r[S.EPISODIC_RETURN] not in ("", "nan")]
+    last = [x for x in returns[-10:] if not math.isnan(x)]
+    # Seed 1: ~380 at 30k steps (the synchronous loop: ~200); a policy that learned nothing stays near 20.
+    assert sum(last) / len(last) > 150, last
+    lags = [float(r[S.POLICY_LAG]) for r in rows]
+    assert 0 <= min(lags) and max(lags) <= 8  # max_policy_lag's default: nothing older is trained on
+    assert len(kids) == 2 and _gone(kids, 1.0)
+
+
+def _pool(tmp_path, **fields):
+    """A learner's ActorPool over real CartPole workers, built as the trainer builds it."""
+    from ppokit.training.build import build
+
+    cfg = load_preset("cartpole", PPOConfig())
+    for k, v in {"actors": 1, "run_dir": str(tmp_path / "unused"), **fields}.items():
+        setattr(cfg, k, v)
+    parts = build(cfg)
+    parts.collector.reset(cfg.seed)
+    return parts
+
+
+def test_a_chunk_older_than_max_policy_lag_is_dropped_and_counted(tmp_path):
+    parts = _pool(tmp_path, max_policy_lag=3)
+    pool, policy = parts.collector, parts.policy
+    try:
+        pool.publish(policy, 0)
+        pool.collect(0)
+        assert int(pool.buffer.policy_version.max()) == 0 and pool.dropped == 0
+        time.sleep(1.5)  # the worker fills the queue with version-0 chunks and waits to hand over the next
+        pool.publish(policy, 4)  # 4 versions ahead of every queued chunk: more than max_policy_lag
+        pool.collect(0)
+        assert pool.dropped >= 1
+        assert int(pool.buffer.policy_version.min()) == 4  # what was kept was acted by the new weights
+        frac = pool.diagnostics()[S.DROPPED_CHUNKS_FRAC]
+        assert frac == pool.dropped / (pool.dropped + 2)
+        pids = [p.pid for p in pool.workers.values()]
+    finally:
+        pool.close()
+        parts.envs.close()
+    assert _gone(pids, 1.0)
+
+
+def test_lag_within_max_policy_lag_is_trained_on(tmp_path):
+    parts = _pool(tmp_path, max_policy_lag=8)
+    pool, policy = parts.collector, parts.policy
+    try:
+        pool.publish(policy, 0)
+        pool.collect(0)
+        time.sleep(1.0)
+        pool.publish(policy, 8)  # exactly max_policy_lag ahead: still kept
+        pool.collect(0)
+        assert pool.dropped == 0 and int(pool.buffer.policy_version.min()) == 0
+    finally:
+        pool.close()
+        parts.envs.close()
+
+
+def test_vtrace_targets_use_the_current_policy(tmp_path):
+    # The learner's values replace the behaviour's; on-policy (weights unchanged) with lambda = 1 the targets are
+    # the chunk's n-step returns, GAE(1)'s.
+    from ppokit.core.advantages import gae
+    from ppokit.rollout.actors import vtrace_targets
+
+    parts = _pool(tmp_path)
+    pool, policy = parts.collector, parts.policy
+    try:
+        pool.publish(policy, 0)
+        pool.collect(0)
+    finally:
+        pool.close()
+        parts.envs.close()
+    buf = pool.buffer
+    behaviour_values = buf.values.clone()
+    with torch.no_grad():
+        for p in policy.critic.parameters():
+            p.add_(0.1)
+    adv, ret = vtrace_targets(policy, buf, pool.last_obs, 0.98, 1.0)
+    assert not torch.allclose(buf.values, behaviour_values)
+    with torch.no_grad():
+        boot = policy.value(pool.last_obs)
+    _, ref = gae(buf.rewards, buf.values, buf.next_values(boot), buf.terminated, buf.truncated, 0.98, 1.0)
+    torch.testing.assert_close(ret, ref)
+
+
+@pytest.mark.parametrize("fields,what", [({"recurrent": "lstm"}, "recurrent"), ({"capture_video": True}, "video"),
+                                         ({"actors": -1}, "integer")])
+def test_what_actors_do_not_support_is_refused_in_one_line(fields, what):
+    cfg = PPOConfig(actors=2)
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    with pytest.raises(ConfigError, match="actors") as info:
+        cfg.validate()
+    assert what in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_custom_env_factory_is_refused(tmp_path):
+    import gymnasium as gym
+
+    from ppokit.training.trainer import train
+
+    with pytest.raises(ConfigError, match="custom env"):
+        train(PPOConfig(actors=1, total_timesteps=256), run_dir=tmp_path / "r", env=lambda: gym.make("CartPole-v1"),
+              console_enabled=False)
+
+
