@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,9 +28,11 @@ def _env() -> dict:
 
 
 def _train(run_dir: Path, *flags: str) -> subprocess.Popen:
+    # Its own process group, as at a terminal (a Ctrl-C there reaches the whole group).
     return subprocess.Popen([sys.executable, "-m", "ppokit", "train", "--preset", "cartpole", "--seed", "1",
                              "--run-dir", str(run_dir), "--no-tensorboard", "--quiet", *flags],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -172,3 +175,88 @@ def test_a_custom_env_factory_is_refused(tmp_path):
               console_enabled=False)
 
 
+
+
+# ---------------------------------------------------------------------------------------- faults
+def test_a_worker_that_raises_in_its_third_chunk_is_named_replaced_and_the_run_finishes(tmp_path, capfd):
+    from ppokit.training.trainer import train
+
+    sys.path.insert(0, str(Path(__file__).parent))  # the workers import actor_faults as the env id says
+    flag = tmp_path / "raised"
+    cfg = load_preset("cartpole", PPOConfig())
+    cfg.env_id = "actor_faults:RaisingCartPole-v0"
+    cfg.env_kwargs = {"flag": str(flag), "raise_after": 2 * cfg.num_steps}
+    cfg.actors, cfg.total_timesteps, cfg.tensorboard = 2, 5000, False
+    run = train(cfg, run_dir=tmp_path / "run", console_enabled=False)
+    assert flag.exists() and run.global_step >= 4096
+    pid = int(flag.read_text())
+    lines = [line for line in capfd.readouterr().err.splitlines() if f"(pid {pid}) died" in line]
+    assert len(lines) == 1 and "injected fault in the third chunk" in lines[0], lines
+    assert run.metrics[-1][S.ACTOR_REPLACEMENTS] == 1.0
+    assert _gone([pid], 1.0)
+
+
+def _wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _running(tmp_path, *flags: str) -> tuple[subprocess.Popen, Path, list[int]]:
+    """A CLI run with two actors, once both workers are up and a checkpoint is written."""
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, "--actors", "2", "--total-timesteps", "2000000", "--save-every", "5", *flags)
+    pids = _wait_for(lambda: (len(p := _actor_pids(psutil.Process(proc.pid))) == 2 and p), 60, "two actors")
+    _wait_for(lambda: (run_dir / "checkpoint.pt").exists(), 60, "a checkpoint")
+    return proc, run_dir, pids
+
+
+def test_kill_9_of_a_worker_mid_run_is_named_and_replaced(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, "--actors", "2", "--total-timesteps", "40000")
+    try:
+        victim = _wait_for(lambda: _actor_pids(psutil.Process(proc.pid))[:1], 60, "an actor")[0]
+        _wait_for(lambda: (run_dir / "metrics.csv").exists() and len(_rows(run_dir)) > 3, 60, "a few updates")
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    named = [line for line in err.splitlines() if f"(pid {victim}) died: killed by SIGKILL; replaced" in line]
+    assert len(named) == 1, err[-2000:]
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 1.0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_and_sigterm_stop_learner_and_workers_in_bounded_time_with_a_checkpoint(tmp_path, sig):
+    proc, run_dir, pids = _running(tmp_path)
+    try:
+        # Ctrl-C at a terminal reaches the whole process group: the workers ignore it, the learner stops them.
+        os.killpg(os.getpgid(proc.pid), sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert took < 20, took
+    assert _gone(pids, 1.0)
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert state["update"] == len(_rows(run_dir))  # the checkpoint holds the last logged update
+
+
+def test_workers_die_with_a_killed_learner_and_resume_starts_fresh_ones(tmp_path):
+    proc, run_dir, pids = _running(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert _gone(pids, 5.0), "a worker outlived its learner"
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"]
+    resumed = subprocess.run([sys.executable, "-m", "ppokit", "train", "--resume", str(run_dir), "--total-timesteps",
+                              str(saved + 2048), "--quiet"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    after = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert after["global_step"] >= saved + 2048 and after["config"]["actors"] == 2

@@ -209,7 +209,7 @@ class ActorPool(Collector):
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.workers: dict[int, Any] = {}  # slot -> Process
         self.starts = 0  # workers started so far (each gets its own env seeds)
-        self.replacements = self.dropped = self.taken = 0
+        self.replacements = self.dropped = self.taken = self.lost = 0  # lost: chunks of workers that died
         self._failures_in_a_row = 0
         self._seed = config.seed
         self._shared: _Shared | None = None
@@ -329,6 +329,10 @@ class ActorPool(Collector):
                 return self._shared.queue.get(timeout=POLL_S)
             except queue.Empty:
                 continue
+            except (ConnectionError, EOFError, OSError):
+                # A chunk's tensors are fetched from the worker that sent it when unpickled (torch's file-descriptor
+                # sharing): one whose worker died since is lost with it. The death is noticed by _check_workers.
+                self.lost += 1
 
     def _merge_moments(self, moments: list | None) -> None:
         """Merge a chunk's observation moments into the learner's statistics (published with the next weights)."""

@@ -157,7 +157,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         from ppokit.runtime.logger import SinkError
 
         cfg = self.config
-        old_handler = _install_sigint(self)
+        # With actors, SIGTERM too finishes the update, saves and stops the workers (rollout/actors.py).
+        old_handler = _install_sigint(self, sigterm=bool(cfg.actors))
         self.watchdog.start()  # stopped once the envs are closed (_finish, _abandon)
         start_time = time.perf_counter()
         start_step = self.global_step
