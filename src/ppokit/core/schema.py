@@ -65,7 +65,8 @@ THRESHOLDS: dict[str, float] = {
     "entropy_collapse_frac": 0.05,  # discrete: entropy below this fraction of its first value
     "entropy_collapse_nats_per_dim": 2.5,  # continuous: drop from the first value, per action dimension
     "reward_patience": 5,  # updates a zero-reward condition must persist
-    # policy_lag_growing: diag/policy_lag rose by more than lag_growth versions over the last lag_window updates.
+    # policy_lag_growing: the mean diag/policy_lag of the last lag_window / 2 updates exceeds the mean of the
+    # lag_window / 2 before by more than lag_growth versions.
     # K actors ahead of a keeping-up learner hold a steady lag of about K - 1; a learner falling behind grows it.
     "lag_window": 10,
     "lag_growth": 4.0,

@@ -33,8 +33,9 @@ run.
   dimension below its first value, i.e. the std shrank by a factor e^2.5 ~ 12 in every dimension. Without
   ``action_kind`` the kind is guessed: continuous once a negative entropy is seen, discrete otherwise.
 
-- ``policy_lag_growing`` (decoupled actors, ``--actors``): ``diag/policy_lag`` rose by more than ``lag_growth``
-  versions over the last ``lag_window`` updates: the learner falls behind its actors (warn).
+- ``policy_lag_growing`` (decoupled actors, ``--actors``): the mean ``diag/policy_lag`` of the second half of the
+  last ``lag_window`` updates exceeds the first half's by more than ``lag_growth`` versions: the learner falls
+  behind its actors (warn).
 
 ``monitor_kl=False`` / ``monitor_clipfrac=False`` switch the KL rules / the two clip-fraction rules off.
 """
@@ -440,12 +441,15 @@ class Monitor:
         lags = self._recent(S.POLICY_LAG, n)
         if lags is None or not all(_finite(x) for x in lags):  # a synchronous run logs no lag
             return
-        growth = lags[-1] - min(lags)
-        if growth > self.t["lag_growth"] and lags[-1] == max(lags):
+        # Half-window means: a trend, not one stale chunk (a single lag spike moves a half's mean by 1/(n/2) of it).
+        half = n // 2
+        before, after = sum(lags[:half]) / half, sum(lags[half:]) / (n - half)
+        if after - before > self.t["lag_growth"]:
             self._fire(out, update, Alert("warn", "policy_lag_growing",
-                                          f"policy lag grew from {min(lags):g} to {lags[-1]:g} versions in {n} "
-                                          "updates: the learner falls behind its actors; use fewer actors, or "
-                                          "fewer update_epochs", {"policy_lag": lags[-1], "lag_min": min(lags)}))
+                                          f"policy lag grew from {before:.3g} to {after:.3g} versions (means of "
+                                          f"the two halves of the last {n} updates): the learner falls behind its "
+                                          "actors; use fewer actors, or fewer update_epochs",
+                                          {"policy_lag": lags[-1], "lag_before": before, "lag_after": after}))
 
     def _collapse_rule(self, ent: float) -> str | None:
         """The collapse rule ``ent`` breaks (for the message), or None while the entropy has not collapsed."""
