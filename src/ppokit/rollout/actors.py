@@ -127,13 +127,13 @@ def _rms_leaves(state: dict, path: tuple = ()) -> list[tuple[tuple, dict]]:
     return [leaf for key in sorted(state) for leaf in _rms_leaves(state[key], path + (key,))]
 
 
-def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Shared) -> None:
+def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> None:
     """A rollout worker's process: chunks of ``cfg.num_steps`` steps until the learner says stop."""
     die_with_parent(pid_parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it finishes the update, then stops us
     torch.set_num_threads(1)
     try:
-        _act(slot, cfg, seed, shared)
+        _act(slot, cfg, seed, shared, acting_type)
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the learner names it in one line
         message = f"{type(exc).__name__}: {' '.join(str(exc).split()) or '(no message)'}"
         try:
@@ -147,7 +147,7 @@ def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Share
     os._exit(0)
 
 
-def _act(slot: int, cfg: Any, seed: int, shared: _Shared) -> None:
+def _act(slot: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> None:
     from ppokit.envs.encoders import observation_encoder
     from ppokit.envs.run_envs import make_train_envs
     from ppokit.policies import config_policy
@@ -163,7 +163,10 @@ def _act(slot: int, cfg: Any, seed: int, shared: _Shared) -> None:
     def fail(step: int, rollout_start: int, exc: BaseException | None = None, detail: str | None = None) -> EnvError:
         return env_failure(cfg.env_id, "step()", step, exc, envs, detail)
 
-    collector = Collector(envs, policy, policy, num_steps=cfg.num_steps, device=torch.device("cpu"),
+    # The learner's kind of acting object: its acting kernel (kernels/acting.py; it sees load_state_dict through the
+    # parameters' version counters) where the learner acts with one, else the eager policy.
+    acting = policy if acting_type is None else acting_type(policy)
+    collector = Collector(envs, policy, acting, num_steps=cfg.num_steps, device=torch.device("cpu"),
                           env_id=cfg.env_id, obs_norm=obs_norm, reward_scaler=reward_scaler,
                           perf=dict.fromkeys(PERF_PHASES, 0.0), fail=fail)
     collector.watchdog = NO_WATCHDOG
@@ -289,7 +292,9 @@ class ActorPool(Collector):
         # Every worker ever started gets envs seeded apart from every other's: seed + i for env i of start s.
         seed = self._seed + (1 + self.starts) * cfg.num_envs * 1000 + slot * cfg.num_envs
         self.starts += 1
-        proc = self.ctx.Process(target=_worker_main, args=(slot, os.getpid(), cfg, seed, self._shared),
+        # Acting as the learner acts: with its acting kernel's class (the fused path's), else the eager policy.
+        acting_type = None if self.acting is self.policy else type(self.acting)
+        proc = self.ctx.Process(target=_worker_main, args=(slot, os.getpid(), cfg, seed, self._shared, acting_type),
                                 name=f"ppokit-actor-{slot}", daemon=False)  # daemon=False: async envs start children
         proc.start()
         self.workers[slot] = proc
