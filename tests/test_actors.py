@@ -154,6 +154,19 @@ def test_vtrace_targets_use_the_current_policy(tmp_path):
     torch.testing.assert_close(ret, ref)
 
 
+def test_a_masked_env_trains_with_actors_on_its_masks(tmp_path):
+    # GridWorld with walls: the masks travel in each chunk, and a policy acting on them never bumps a wall; the
+    # preset's 8192 steps reach the registered return threshold as the synchronous loop does (test_masking.py).
+    from ppokit.envs import GRIDWORLD_WALLS_ID
+    from ppokit.training.trainer import train
+
+    cfg = load_preset("gridworld")
+    cfg.env_id, cfg.seed, cfg.total_timesteps, cfg.actors, cfg.tensorboard = GRIDWORLD_WALLS_ID, 1, 8192, 1, False
+    run = train(cfg, run_dir=tmp_path / "r", console_enabled=False)
+    returns = [m[S.EPISODIC_RETURN] for m in run.metrics if not math.isnan(m[S.EPISODIC_RETURN])]
+    assert returns[-1] >= 0.93
+
+
 @pytest.mark.parametrize("fields,what", [({"recurrent": "lstm"}, "recurrent"), ({"capture_video": True}, "video"),
                                          ({"actors": -1}, "integer")])
 def test_what_actors_do_not_support_is_refused_in_one_line(fields, what):

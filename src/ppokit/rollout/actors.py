@@ -149,6 +149,7 @@ def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Share
 
 def _act(slot: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> None:
     from ppokit.envs.encoders import observation_encoder
+    from ppokit.envs.masks import action_masks_available
     from ppokit.envs.run_envs import make_train_envs
     from ppokit.policies import config_policy
     from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
@@ -157,6 +158,8 @@ def _act(slot: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> N
     envs = make_train_envs(cfg)
     obs_space, act_space = envs.single_observation_space, envs.single_action_space
     policy = config_policy(obs_space, act_space, cfg)
+    if policy.kind != "continuous":  # masks sent only in info are seen at a first reset, as build() finds them
+        action_masks_available(envs, seed, cfg.env_id)
     obs_norm = make_obs_normalizer(observation_encoder(obs_space)) if cfg.normalize_obs else None
     reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma) if cfg.normalize_reward else None
 
@@ -216,6 +219,7 @@ class ActorPool(Collector):
         self._failures_in_a_row = 0
         self._seed = config.seed
         self._shared: _Shared | None = None
+        self._fields = {f.name for f in ROLLOUT_FIELDS.fields() if self.buffer.__dict__[f.name] is not None}
 
     # ------------------------------------------------------------------ the source's side of the learner
     def reset(self, seed: int) -> None:
@@ -251,6 +255,9 @@ class ActorPool(Collector):
             break
         self.taken += 1
         buf: RolloutBuffer = self.buffer
+        if set(item["fields"]) != self._fields:  # e.g. a worker's env sends masks, the learner's does not
+            raise EnvError(f"actor {item['slot']} sent a chunk with fields {sorted(item['fields'])}, the learner's "
+                           f"buffer has {sorted(self._fields)}: its envs differ from the learner's")
         for name, value in item["fields"].items():
             tree_copy_(buf.__dict__[name], value)
         self.last_obs = tree_map(lambda t: t.to(self.device), item["last_obs"])
