@@ -112,6 +112,25 @@ def test_a_chunk_older_than_max_policy_lag_is_dropped_and_counted(tmp_path):
     assert _gone(pids, 1.0)
 
 
+def test_the_learner_normalizes_with_every_chunks_observations_dropped_ones_included(tmp_path):
+    parts = _pool(tmp_path, max_policy_lag=0, normalize_obs=True)
+    pool, policy = parts.collector, parts.policy
+    try:
+        pool.publish(policy, 0)
+        pool.collect(0)
+        time.sleep(1.5)
+        pool.publish(policy, 1)
+        pool.collect(0)
+    finally:
+        pool.close()
+        parts.envs.close()
+    rows = pool.num_steps * pool.num_envs
+    assert pool.dropped >= 1
+    # Each chunk adds the observation after each of its steps to its worker's statistics; the learner merges them.
+    assert float(parts.obs_norm.state_dict()["count"]) == (pool.taken + pool.dropped) * rows
+    assert 0 < float(parts.obs_norm.state_dict()["var"].min())
+
+
 def test_lag_within_max_policy_lag_is_trained_on(tmp_path):
     parts = _pool(tmp_path, max_policy_lag=8)
     pool, policy = parts.collector, parts.policy

@@ -10,7 +10,12 @@ published weights (a shared-memory state_dict and a version counter, under a loc
 The learner takes one chunk per update into its ``[T, N]`` buffer, dropping (and counting) those more than
 ``max_policy_lag`` versions old; ``vtrace_targets`` then gives the update V-trace targets and APPO's advantages
 under the CURRENT policy, and the usual PPO epochs run with the clipped surrogate against the behaviour
-log-probs frozen in the chunk.
+log-probs frozen in the chunk. So ``diag/clipfrac`` and ``diag/approx_kl`` measure the distance from the
+behaviour policy, lag included: on CartPole (cartpole preset, 30k steps, seeds 1-4) the clip fraction of the
+last 20 updates is 0.50-0.67 with 2 actors against 0.09 for the synchronous loop, while the returns are as
+high (252-500 vs ~200 at seed 1). Clipping against the learner's pre-update policy instead (the "proximal"
+policy of Hilton et al. 2021, rho carrying the behaviour correction) brings it to 0.03-0.21, but learned less
+in the same runs (157-500).
 
 Observation normalization stays one set of statistics, the learner's: each worker normalizes with the published
 statistics and ships the moments of the observations it added (``normalize.split_moments``), which the learner
