@@ -49,7 +49,7 @@ from ppokit.rollout.buffer import ROLLOUT_FIELDS, RolloutBuffer
 from ppokit.rollout.collector import Collector
 from ppokit.rollout.normalize import merge_moments, split_moments
 
-__all__ = ["ActorPool", "actor_backend", "vtrace_targets", "POLL_S", "STOP_GRACE_S"]
+__all__ = ["ActorPool", "RolloutWorker", "actor_backend", "vtrace_targets", "POLL_S", "STOP_GRACE_S"]
 
 # The learner looks at its workers at least this often while it waits for a chunk, so a kill -9 is noticed within
 # it; a worker waiting to hand over a chunk looks at the stop flag as often.
@@ -153,55 +153,74 @@ def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Share
 
 
 def _act(slot: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> None:
-    from ppokit.envs.encoders import observation_encoder
-    from ppokit.envs.masks import action_masks_available
-    from ppokit.envs.run_envs import make_train_envs
-    from ppokit.policies import config_policy
-    from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
-
-    torch.manual_seed(seed)
-    envs = make_train_envs(cfg)
-    obs_space, act_space = envs.single_observation_space, envs.single_action_space
-    policy = config_policy(obs_space, act_space, cfg)
-    if policy.kind != "continuous":  # masks sent only in info are seen at a first reset, as build() finds them
-        action_masks_available(envs, seed, cfg.env_id)
-    obs_norm = make_obs_normalizer(observation_encoder(obs_space)) if cfg.normalize_obs else None
-    reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma) if cfg.normalize_reward else None
-
-    def fail(step: int, rollout_start: int, exc: BaseException | None = None, detail: str | None = None) -> EnvError:
-        return env_failure(cfg.env_id, "step()", step, exc, envs, detail)
-
-    # The learner's kind of acting object: its acting kernel (kernels/acting.py; it sees load_state_dict through the
-    # parameters' version counters) where the learner acts with one, else the eager policy.
-    acting = policy if acting_type is None else acting_type(policy)
-    collector = Collector(envs, policy, acting, num_steps=cfg.num_steps, device=torch.device("cpu"),
-                          env_id=cfg.env_id, obs_norm=obs_norm, reward_scaler=reward_scaler,
-                          perf=dict.fromkeys(PERF_PHASES, 0.0), fail=fail)
-    collector.watchdog = NO_WATCHDOG
-    collector.reset(seed)
-    envs.action_space.seed(seed)
-    names = [f.name for f in ROLLOUT_FIELDS.fields() if collector.buffer.__dict__[f.name] is not None]
-    version, step = -1, 0
+    worker = RolloutWorker(slot, cfg, seed, acting_type)
     try:
         while not shared.stop.is_set():
-            version = shared.pull(policy, obs_norm, version)
-            before = obs_norm.state_dict() if obs_norm is not None else None
-            collector.publish(policy, version)
-            episodes, nonfinite = collector.collect(step)
-            step += cfg.num_steps * cfg.num_envs
-            moments = None
-            if obs_norm is not None:  # the moments of the observations this chunk added to the statistics
-                after = dict(_rms_leaves(obs_norm.state_dict()))
-                moments = [(path, *split_moments(old, after[path])) for path, old in _rms_leaves(before)]
-            buf = collector.buffer
-            chunk = {"kind": "chunk", "slot": slot, "pid": os.getpid(), "version": version,
-                     "fields": {name: tree_map(torch.clone, buf.__dict__[name]) for name in names},
-                     "last_obs": tree_map(torch.clone, collector.last_obs), "episodes": episodes,
-                     "life_episodes": list(collector.life_episodes), "nonfinite": nonfinite, "moments": moments}
-            if not shared.put(chunk):
+            worker.version = shared.pull(worker.policy, worker.obs_norm, worker.version)
+            if not shared.put(worker.chunk()):
                 break
     finally:
-        envs.close()
+        worker.close()
+
+
+class RolloutWorker:
+    """One worker's envs, policy copy and ``Collector``; ``chunk()`` steps ``num_steps`` and returns the chunk.
+
+    The process workers here and the Ray actors (``ray_actors.py``) both run it; they differ only in how the
+    weights arrive (loaded into ``policy`` and ``obs_norm`` with their ``version`` before a chunk) and how the
+    chunk leaves."""
+
+    def __init__(self, slot: int, cfg: Any, seed: int, acting_type: Any = None):
+        from ppokit.envs.encoders import observation_encoder
+        from ppokit.envs.masks import action_masks_available
+        from ppokit.envs.run_envs import make_train_envs
+        from ppokit.policies import config_policy
+        from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
+
+        torch.manual_seed(seed)
+        self.slot, self.cfg, self.version, self.step = slot, cfg, -1, 0
+        self.envs = envs = make_train_envs(cfg)
+        obs_space, act_space = envs.single_observation_space, envs.single_action_space
+        self.policy = policy = config_policy(obs_space, act_space, cfg)
+        if policy.kind != "continuous":  # masks sent only in info are seen at a first reset, as build() finds them
+            action_masks_available(envs, seed, cfg.env_id)
+        self.obs_norm = make_obs_normalizer(observation_encoder(obs_space)) if cfg.normalize_obs else None
+        reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma) if cfg.normalize_reward else None
+
+        def fail(step: int, rollout_start: int, exc: BaseException | None = None,
+                 detail: str | None = None) -> EnvError:
+            return env_failure(cfg.env_id, "step()", step, exc, envs, detail)
+
+        # The learner's kind of acting object: its acting kernel (kernels/acting.py; it sees load_state_dict through
+        # the parameters' version counters) where the learner acts with one, else the eager policy.
+        acting = policy if acting_type is None else acting_type(policy)
+        self.collector = Collector(envs, policy, acting, num_steps=cfg.num_steps, device=torch.device("cpu"),
+                                   env_id=cfg.env_id, obs_norm=self.obs_norm, reward_scaler=reward_scaler,
+                                   perf=dict.fromkeys(PERF_PHASES, 0.0), fail=fail)
+        self.collector.watchdog = NO_WATCHDOG
+        self.collector.reset(seed)
+        envs.action_space.seed(seed)
+        self.names = [f.name for f in ROLLOUT_FIELDS.fields() if self.collector.buffer.__dict__[f.name] is not None]
+
+    def chunk(self) -> dict:
+        """``num_steps`` steps of every env with the loaded weights: the chunk the learner takes."""
+        cfg, collector, obs_norm = self.cfg, self.collector, self.obs_norm
+        before = obs_norm.state_dict() if obs_norm is not None else None
+        collector.publish(self.policy, self.version)
+        episodes, nonfinite = collector.collect(self.step)
+        self.step += cfg.num_steps * cfg.num_envs
+        moments = None
+        if obs_norm is not None:  # the moments of the observations this chunk added to the statistics
+            after = dict(_rms_leaves(obs_norm.state_dict()))
+            moments = [(path, *split_moments(old, after[path])) for path, old in _rms_leaves(before)]
+        buf = collector.buffer
+        return {"kind": "chunk", "slot": self.slot, "pid": os.getpid(), "version": self.version,
+                "fields": {name: tree_map(torch.clone, buf.__dict__[name]) for name in self.names},
+                "last_obs": tree_map(torch.clone, collector.last_obs), "episodes": episodes,
+                "life_episodes": list(collector.life_episodes), "nonfinite": nonfinite, "moments": moments}
+
+    def close(self) -> None:
+        self.envs.close()
 
 
 # ---------------------------------------------------------------------------------------- the learner's side
