@@ -137,6 +137,9 @@ class PPOConfig:
                      "the synchronous loop")
     max_policy_lag: int = _f(8, "with actors: a chunk acted by weights more than this many updates behind the "
                              "learner is dropped (and counted in diag/dropped_chunks_frac)")
+    ray_address: str | None = _f(None, "with actors: run them as Ray actors (extra ray, rollout/ray_actors.py) on the "
+                                 "Ray cluster at this address: auto (the one `ray start --head` started), HOST:PORT, "
+                                 "ray://HOST:PORT, or local (a one-machine Ray for the run); none: worker processes")
     fused_update: bool = _f(True, "use the fused MLP update path where it applies (autograd otherwise)")
     run_dir: str | None = _f(None, "run directory (default: runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>)")
     log_every: int = _f(10, "print a metrics table every this many updates")
@@ -273,6 +276,10 @@ class PPOConfig:
              f"must be an integer in [0, {MAX_ACTORS}] (0: the synchronous loop), got {self.actors!r}")
         need(isinstance(self.max_policy_lag, int) and 0 <= self.max_policy_lag <= INT_MAX, "max_policy_lag",
              f"must be an integer >= 0 (updates a chunk's weights may lag the learner's), got {self.max_policy_lag!r}")
+        need(self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address.strip() != ""),
+             "ray_address", f"must be auto, local, HOST:PORT or ray://HOST:PORT, got {self.ray_address!r}")
+        need(self.ray_address is None or self.actors != 0, "ray_address", "places the rollout actors on Ray, and "
+             "actors = 0 runs none (the synchronous loop): set actors >= 1, or leave ray_address unset")
         if isinstance(self.actors, int) and self.actors > 0:
             # What the decoupled learner does not do yet, refused rather than run wrong (rollout/actors.py).
             need(self.recurrent == "none", "actors", "is not supported with a recurrent policy yet (a chunk would "

@@ -63,8 +63,9 @@ _REPORTED = 3
 _MAX_FAILURES_IN_A_ROW = 3
 
 
-def actor_backend(config: Any) -> Any:
-    """The ``rollout=`` backend (``source.RolloutBackend``) of ``config.actors`` workers."""
+def actor_backend(config: Any, pool: Any = None) -> Any:
+    """The ``rollout=`` backend (``source.RolloutBackend``) of ``config.actors`` workers: ``pool`` (default
+    ``ActorPool``, worker processes; ``ray_actors.RayActorPool``: Ray actors) built with Collector's arguments."""
     import multiprocessing
 
     if multiprocessing.parent_process() is not None and getattr(sys.modules.get("__main__"), "__name__",
@@ -75,7 +76,7 @@ def actor_backend(config: Any) -> Any:
         raise ConfigError("actors", "the script that trains runs again in each actor process: put its training "
                           "call under if __name__ == '__main__':")
     def backend(*args: Any, **kwargs: Any) -> ActorPool:
-        return ActorPool(*args, config=config, **kwargs)
+        return (pool or ActorPool)(*args, config=config, **kwargs)
     return backend
 
 
@@ -318,34 +319,59 @@ class ActorPool(Collector):
         self.workers.clear()
 
     # ------------------------------------------------------------------ workers
-    def _start(self, slot: int) -> None:
+    def _worker_seed(self, slot: int) -> int:
+        """The env seed of the next worker started in ``slot``: every worker ever started gets envs seeded apart
+        from every other's, seed + i for env i of start s."""
         cfg = self.config
-        # Every worker ever started gets envs seeded apart from every other's: seed + i for env i of start s.
-        seed = self._seed + (1 + self.starts) * cfg.num_envs * 1000 + slot * cfg.num_envs
+        return self._seed + (1 + self.starts) * cfg.num_envs * 1000 + slot * cfg.num_envs
+
+    def _acting_type(self) -> Any:
+        """Acting as the learner acts: with its acting kernel's class (the fused path's), else the eager policy."""
+        return None if self.acting is self.policy else type(self.acting)
+
+    def _start(self, slot: int) -> None:
+        seed = self._worker_seed(slot)
         self.starts += 1
-        # Acting as the learner acts: with its acting kernel's class (the fused path's), else the eager policy.
-        acting_type = None if self.acting is self.policy else type(self.acting)
-        proc = self.ctx.Process(target=_worker_main, args=(slot, os.getpid(), cfg, seed, self._shared, acting_type),
+        proc = self.ctx.Process(target=_worker_main, args=(slot, os.getpid(), self.config, seed, self._shared,
+                                                           self._acting_type()),
                                 name=f"ppokit-actor-{slot}", daemon=False)  # daemon=False: async envs start children
         proc.start()
         self.workers[slot] = proc
 
-    def _replace(self, slot: int, pid: int, why: str) -> None:
+    # What a transport does to a dead worker's slot (the process pool here, the Ray pool in ray_actors.py).
+    def _current(self, slot: int, pid: int | None) -> bool:
+        """Whether ``pid`` is still ``slot``'s worker (a death is reported once, by the first who sees it)."""
         proc = self.workers.get(slot)
-        if proc is None or proc.pid != pid:
-            return  # already replaced
+        return proc is not None and proc.pid == pid
+
+    def _retire(self, slot: int) -> None:
+        """Make sure ``slot``'s dead worker is gone."""
+        proc = self.workers[slot]
         proc.join(timeout=STOP_GRACE_S)
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=1.0)
+
+    def _who(self, pid: int | None) -> str:
+        """How the stderr lines name a worker."""
+        return f"pid {pid}"
+
+    def _describe(self, slot: int) -> str:
+        """How the stderr lines name ``slot``'s worker just started."""
+        return self._who(self.workers[slot].pid)
+
+    def _replace(self, slot: int, pid: int | None, why: str) -> None:
+        if not self._current(slot, pid):
+            return  # already replaced
+        self._retire(slot)
         self._failures_in_a_row += 1
         if self._failures_in_a_row > _MAX_FAILURES_IN_A_ROW * self.config.actors:
-            raise EnvError(f"actor {slot} (pid {pid}) died: {why}; {self._failures_in_a_row} workers in a row died "
-                           "before any chunk arrived, so the actors cannot run; check the env with --actors 0 (a script "
-                           "needs its training call under if __name__ == '__main__')")
+            raise EnvError(f"actor {slot} ({self._who(pid)}) died: {why}; {self._failures_in_a_row} workers in a row "
+                           "died before any chunk arrived, so the actors cannot run; check the env with --actors 0 (a "
+                           "script needs its training call under if __name__ == '__main__')")
         self._start(slot)
         self.replacements += 1
-        line = (f"ppokit: actor {slot} (pid {pid}) died: {why}; replaced by pid {self.workers[slot].pid} "
+        line = (f"ppokit: actor {slot} ({self._who(pid)}) died: {why}; replaced by {self._describe(slot)} "
                 f"({self.replacements} replaced so far)\n")
         sys.stderr.write(line)
         sys.stderr.flush()

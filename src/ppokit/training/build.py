@@ -121,6 +121,10 @@ def actor_rollout(cfg: PPOConfig, dist: Any, custom_env: Any, policy: Any, rollo
                         (rollout is not None, "another rollout backend")):
         if given:
             raise ConfigError("actors", f"is not supported with {what} yet: set actors = 0")
+    if cfg.ray_address is not None:
+        from ppokit.rollout.ray_actors import ray_backend
+
+        return ray_backend(cfg)
     return actor_backend(cfg)
 
 
