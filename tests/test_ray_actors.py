@@ -176,3 +176,17 @@ def test_importing_ppokit_does_not_import_ray():
     res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC}, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+@needs_ray
+def test_a_killed_learner_takes_its_ray_head_and_actors_with_it(tmp_path, mark):
+    proc = _train(tmp_path / "run", mark, "--total-timesteps", "40960")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while len(_actors(mark)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_actors(mark)) == 2, "the two Ray actors did not start"
+    assert len(_marked(mark)) > 3  # the learner, the actors and the Ray head's own processes
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    # A `local` Ray's processes share the fate of the driver that started them (Ray's fate sharing): ~1.3 s here.
+    assert not _none_left(mark, 20.0), "a process of the Ray run outlived its killed learner"
