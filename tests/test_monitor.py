@@ -280,3 +280,15 @@ def test_monitoring_switched_off_in_the_config_reaches_a_real_run(tmp_path):
     off = [f for f in d.findings if f.cause == "monitoring_off"]
     assert off and "monitor_clipfrac = false" in off[0].evidence[0] and off[0].severity == "note"
     assert d.findings[0].cause == "lr_zero"  # the doctor still reads metrics.csv
+
+
+def test_policy_lag_growing_fires_on_a_rising_lag_only():
+    # Decoupled actors: a learner falling behind adds a version of lag per update; a steady lag (about K - 1 for
+    # K actors), a lag that rose and came back, and a synchronous run (no lag column) are quiet.
+    rising = [healthy(i, **{"diag/policy_lag": float(i)}) for i in range(12)]
+    out = names(Monitor(), rising)  # halves 0..4 and 5..9: means 2 and 7, 5 versions apart at update 10
+    assert "policy_lag_growing" not in sum(out[:9], []) and "policy_lag_growing" in out[9]
+    steady = [healthy(i, **{"diag/policy_lag": 3.0 + (i % 2)}) for i in range(30)]
+    assert "policy_lag_growing" not in fired(Monitor(), steady)
+    spike = [healthy(i, **{"diag/policy_lag": 9.0 if i == 15 else 1.0}) for i in range(30)]
+    assert "policy_lag_growing" not in fired(Monitor(), spike)

@@ -146,3 +146,24 @@ def test_state_dicts_round_trip_through_weights_only_load(tmp_path):
 
     with pytest.raises(ValueError, match="shape"):
         ObsNormalizer((3,)).load_state_dict(loaded["obs"])
+
+
+def test_split_moments_recovers_the_batch_a_merge_added():
+    # A rollout worker ships the moments of what it added to its statistics (rollout/actors.py): they must be the
+    # added batch's own count, mean and population variance, so the learner's merge of them is the merge of the data.
+    from ppokit.rollout.normalize import RunningMeanStd, merge_moments, split_moments
+
+    g = torch.Generator().manual_seed(0)
+    rms = RunningMeanStd(3)
+    rms.update(torch.randn(50, 3, generator=g) * 2 + 1)
+    before = rms.state_dict()
+    added = torch.randn(30, 3, generator=g, dtype=torch.float64) * 3 - 2
+    rms.update(added)
+    n, mean, var = split_moments(before, rms.state_dict())
+    assert n == 30
+    torch.testing.assert_close(mean, added.mean(0))
+    torch.testing.assert_close(var, added.var(0, unbiased=False))
+    count, m, v = merge_moments(before["count"], before["mean"], before["var"], n, mean, var)
+    torch.testing.assert_close(m, rms.mean)
+    torch.testing.assert_close(v, rms.var)
+    assert split_moments(before, before)[0] == 0.0  # nothing added

@@ -45,6 +45,8 @@ SAFE_LIMITS = {"update_epochs": 30, "clip_coef": 0.3}
 # Integers must fit torch's and numpy's int64; numpy seeds must fit 32 bits.
 INT_MAX = 2**63 - 1
 SEED_MAX = 2**32 - 1
+# More rollout worker processes than this on one machine is a typo (each is a whole Python process with its envs).
+MAX_ACTORS = 256
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -130,6 +132,14 @@ class PPOConfig:
                             "CPU cores are capped at the core count with a warning)")
     dist_timeout: float = _f(60.0, "data-parallel runs (torchrun): seconds a rank waits for the others in a "
                              "collective before the job fails, naming the lost rank", max=86400.0)
+    actors: int = _f(0, "decoupled rollout workers (IMPALA-style, rollout/actors.py): K processes, each stepping "
+                     "num_envs envs with a copy of the policy, feed a learner that trains on V-trace targets; 0: "
+                     "the synchronous loop")
+    max_policy_lag: int = _f(8, "with actors: a chunk acted by weights more than this many updates behind the "
+                             "learner is dropped (and counted in diag/dropped_chunks_frac)")
+    ray_address: str | None = _f(None, "with actors: run them as Ray actors (extra ray, rollout/ray_actors.py) on the "
+                                 "Ray cluster at this address: auto (the one `ray start --head` started), HOST:PORT, "
+                                 "ray://HOST:PORT, or local (a one-machine Ray for the run); none: worker processes")
     fused_update: bool = _f(True, "use the fused MLP update path where it applies (autograd otherwise)")
     run_dir: str | None = _f(None, "run directory (default: runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>)")
     log_every: int = _f(10, "print a metrics table every this many updates")
@@ -262,6 +272,22 @@ class PPOConfig:
         need(not self.capture_video or self.vector_mode == "sync", "capture_video",
              f"records env 0 of a sync vector env; vector_mode {self.vector_mode!r} runs the envs elsewhere: set "
              "vector_mode = sync")
+        need(isinstance(self.actors, int) and 0 <= self.actors <= MAX_ACTORS, "actors",
+             f"must be an integer in [0, {MAX_ACTORS}] (0: the synchronous loop), got {self.actors!r}")
+        need(isinstance(self.max_policy_lag, int) and 0 <= self.max_policy_lag <= INT_MAX, "max_policy_lag",
+             f"must be an integer >= 0 (updates a chunk's weights may lag the learner's), got {self.max_policy_lag!r}")
+        need(self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address.strip() != ""),
+             "ray_address", f"must be auto, local, HOST:PORT or ray://HOST:PORT, got {self.ray_address!r}")
+        need(self.ray_address is None or self.actors != 0, "ray_address", "places the rollout actors on Ray, and "
+             "actors = 0 runs none (the synchronous loop): set actors >= 1, or leave ray_address unset")
+        if isinstance(self.actors, int) and self.actors > 0:
+            # What the decoupled learner does not do yet, refused rather than run wrong (rollout/actors.py).
+            need(self.recurrent == "none", "actors", "is not supported with a recurrent policy yet (a chunk would "
+                 "have to carry its initial state): set actors = 0 or recurrent = none")
+            need(not self.capture_video, "actors", "is not supported with capture_video (the learner's env 0, which "
+                 "records, does not step): set actors = 0 or capture_video = false")
+            need(self.device == "cpu", "actors", f"runs its learner on the CPU only for now, got device "
+                 f"{self.device!r}: set actors = 0 or device = cpu")
         gate()
         from ppokit.config.resources import check_device, check_memory, check_run_dir
 

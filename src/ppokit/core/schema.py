@@ -43,6 +43,8 @@ def _metric(name: str, meaning: str, good: str = "") -> str:
 KL_WARN = 0.02  # mean approx KL above this: the update moves pi_theta far from pi_old (the standard KL band [0, 0.02])
 KL_ALERT = 0.1  # above this the trust region is blown (the fix: lower K or the learning rate)
 KL_STOP_FACTOR = 1.5  # KL early stop: the epochs end once approx KL > 1.5 * target_kl (SB3's margin)
+# Decoupled actors (rollout/actors.py): above this fraction of dropped chunks the actors' work is largely wasted.
+DROPPED_CHUNKS_WARN = 0.1
 KL_NEGLIGIBLE = 1e-6  # approx KL below this: pi_theta is pi_old to ~0.1% per action, the policy does not move
 CLIPFRAC_HEALTHY = (0.1, 0.3)  # the usual healthy band of the clip fraction
 CLIPFRAC_HIGH = 0.4  # sustained above this: over-fitting the rollout (drift)
@@ -63,6 +65,11 @@ THRESHOLDS: dict[str, float] = {
     "entropy_collapse_frac": 0.05,  # discrete: entropy below this fraction of its first value
     "entropy_collapse_nats_per_dim": 2.5,  # continuous: drop from the first value, per action dimension
     "reward_patience": 5,  # updates a zero-reward condition must persist
+    # policy_lag_growing: the mean diag/policy_lag of the last lag_window / 2 updates exceeds the mean of the
+    # lag_window / 2 before by more than lag_growth versions.
+    # K actors ahead of a keeping-up learner hold a steady lag of about K - 1; a learner falling behind grows it.
+    "lag_window": 10,
+    "lag_growth": 4.0,
 }
 LR_ZERO = 1e-10  # a learning rate at or below this cannot move the weights
 GRAD_ZERO = 1e-6  # median gradient norm below this: no gradient reaches the weights
@@ -124,8 +131,14 @@ REWARD_STD = _metric("diag/reward_std", "std of the rollout's raw per-step rewar
 POLICY_LAG = _metric("diag/policy_lag", "the learner's policy version (updates so far) minus the oldest version that "
                      "acted in the update's batch (in process it is 0, and not logged)",
                      "small and steady; growing: the actors fall behind the learner")
+POLICY_LAG_MEAN = _metric("diag/policy_lag_mean", "the learner's policy version minus the mean version that acted "
+                          "in the update's batch", "small and steady")
+DROPPED_CHUNKS_FRAC = _metric("diag/dropped_chunks_frac", "fraction of the actors' chunks dropped so far in the run "
+                              "(older than max_policy_lag versions)", f"0; above {DROPPED_CHUNKS_WARN}: the "
+                              "learner is too slow for its actors (fewer actors, or a larger max_policy_lag)")
+ACTOR_REPLACEMENTS = _metric("diag/actor_replacements", "rollout workers that died and were replaced so far", "0")
 # Logged only with a rollout source whose actors may act with older weights (``rollout.source``, ``stale``).
-STALE_SOURCE_METRICS: list[str] = [POLICY_LAG]
+STALE_SOURCE_METRICS: list[str] = [POLICY_LAG, POLICY_LAG_MEAN, DROPPED_CHUNKS_FRAC, ACTOR_REPLACEMENTS]
 ADVANTAGE_STD = _metric("diag/advantage_std", "std of the batch's advantages before normalization", "> 0")
 
 SPS = _metric("perf/sps", "environment steps per second since the run (or resume) started")

@@ -33,6 +33,10 @@ run.
   dimension below its first value, i.e. the std shrank by a factor e^2.5 ~ 12 in every dimension. Without
   ``action_kind`` the kind is guessed: continuous once a negative entropy is seen, discrete otherwise.
 
+- ``policy_lag_growing`` (decoupled actors, ``--actors``): the mean ``diag/policy_lag`` of the second half of the
+  last ``lag_window`` updates exceeds the first half's by more than ``lag_growth`` versions: the learner falls
+  behind its actors (warn).
+
 ``monitor_kl=False`` / ``monitor_clipfrac=False`` switch the KL rules / the two clip-fraction rules off.
 """
 
@@ -301,7 +305,7 @@ class Monitor:
         rules = [self._nonfinite, self._reward_signal]
         rules += [self._kl] if self.monitor_kl else []
         rules += [self._clipfrac] if self.monitor_clipfrac else []
-        for rule in rules + [self._critic, self._entropy]:
+        for rule in rules + [self._critic, self._entropy, self._policy_lag]:
             rule(out, update, m)
         return out
 
@@ -431,6 +435,21 @@ class Monitor:
                                           f"entropy {ent:.4g} fell {rule}: the policy became near-deterministic; if "
                                           "the return is not at its optimum, raise ent_coef or lower learning_rate",
                                           {"entropy": ent, "entropy_start": h0}))
+
+    def _policy_lag(self, out: list[Alert], update: int, m: dict) -> None:
+        n = int(self.t["lag_window"])
+        lags = self._recent(S.POLICY_LAG, n)
+        if lags is None or not all(_finite(x) for x in lags):  # a synchronous run logs no lag
+            return
+        # Half-window means: a trend, not one stale chunk (a single lag spike moves a half's mean by 1/(n/2) of it).
+        half = n // 2
+        before, after = sum(lags[:half]) / half, sum(lags[half:]) / (n - half)
+        if after - before > self.t["lag_growth"]:
+            self._fire(out, update, Alert("warn", "policy_lag_growing",
+                                          f"policy lag grew from {before:.3g} to {after:.3g} versions (means of "
+                                          f"the two halves of the last {n} updates): the learner falls behind its "
+                                          "actors; use fewer actors, or fewer update_epochs",
+                                          {"policy_lag": lags[-1], "lag_before": before, "lag_after": after}))
 
     def _collapse_rule(self, ent: float) -> str | None:
         """The collapse rule ``ent`` breaks (for the message), or None while the entropy has not collapsed."""

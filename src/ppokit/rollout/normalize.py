@@ -49,13 +49,7 @@ class RunningMeanStd:
             n, batch_mean, batch_var = self.reduce(n, batch_mean, batch_var)
             if n == 0:
                 return
-        total = self.count + n
-        delta = batch_mean - self.mean
-        # Merging sums of squared deviations is stable where sum(x^2) - n*mean^2 would cancel.
-        m2 = self.var * self.count + batch_var * n + delta.square() * (self.count * n / total)
-        self.mean = self.mean + delta * (n / total)
-        self.var = m2 / total
-        self.count = total
+        self.count, self.mean, self.var = merge_moments(self.count, self.mean, self.var, n, batch_mean, batch_var)
 
     @property
     def std(self) -> torch.Tensor:
@@ -81,6 +75,31 @@ class RunningMeanStd:
         self.mean = mean.clone()
         self.var = var.clone()
         self.count = _as_tensor(state["count"], self.device, torch.float64).reshape(()).clone()
+
+
+def merge_moments(count: Any, mean: torch.Tensor, var: torch.Tensor, n: Any, batch_mean: torch.Tensor,
+                  batch_var: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``(count, mean, var)`` of two sample sets given by their (count, mean, population var) (Chan et al. 1979)."""
+    total = count + n
+    delta = batch_mean - mean
+    # Merging sums of squared deviations is stable where sum(x^2) - n*mean^2 would cancel.
+    m2 = var * count + batch_var * n + delta.square() * (count * n / total)
+    return total, mean + delta * (n / total), m2 / total
+
+
+def split_moments(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor,
+                                                                                             torch.Tensor]:
+    """``merge_moments`` undone: the (count, mean, var) of the samples that took ``RunningMeanStd.state_dict()``
+    ``before`` to ``after`` (count 0 when none). A rollout worker ships these, so that the learner merges every
+    worker's observations into its one set of statistics (``rollout/actors.py``)."""
+    c0, m0, v0 = float(before["count"]), before["mean"], before["var"]
+    c1, m1, v1 = float(after["count"]), after["mean"], after["var"]
+    n = c1 - c0
+    if n <= 0:
+        return 0.0, torch.zeros_like(m1), torch.ones_like(v1)
+    mean = (m1 * c1 - m0 * c0) / n
+    m2 = v1 * c1 - v0 * c0 - (mean - m0).square() * (c0 * n / c1)
+    return n, mean, (m2 / n).clamp(min=0.0)
 
 
 class ObsNormalizer:

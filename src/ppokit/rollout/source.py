@@ -47,7 +47,7 @@ import torch
 from ppokit.core.batch import Field
 from ppokit.rollout.buffer import RolloutBuffer, declare_step_field
 
-__all__ = ["Episodes", "RolloutBackend", "RolloutSource", "policy_lag"]
+__all__ = ["Episodes", "RolloutBackend", "RolloutSource", "policy_lag", "policy_lag_mean"]
 
 Episodes = list[tuple[float, int]]  # (raw return, length) of each episode finished in a rollout
 
@@ -96,3 +96,8 @@ RolloutBackend = Callable[..., RolloutSource]
 def policy_lag(buffer: RolloutBuffer, learner_version: int) -> int:
     """The learner's version minus the oldest version that acted in ``buffer`` (0: all of it is current)."""
     return learner_version - int(buffer.policy_version.min())
+
+
+def policy_lag_mean(buffer: RolloutBuffer, learner_version: int) -> float:
+    """The learner's version minus the mean version that acted in ``buffer``."""
+    return learner_version - float(buffer.policy_version.double().mean())

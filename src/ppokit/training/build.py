@@ -71,6 +71,8 @@ def build(config: PPOConfig, *, env: Any = None, policy: Any = None, rollout: An
     cfg = config.validate()
     require_extras(cfg)
     dist, device = placement(cfg)
+    if cfg.actors:
+        rollout = actor_rollout(cfg, dist, custom_env, policy, rollout)
     if not get_backend(cfg.vector_mode).own_task_ids and custom_env is None:  # e.g. envpool checks its own
         check_env_id(cfg.env_id)
     seed_everything(dist.seed(cfg.seed))
@@ -107,6 +109,23 @@ def build(config: PPOConfig, *, env: Any = None, policy: Any = None, rollout: An
         collector.watchdog = watchdog
     return Parts(cfg, custom_env, dist, device, envs, action_kind, watchdog, pi, pi.obs_dim, masked, fused,
                  optimizer, acting, obs_norm, reward_scaler, monitor, perf, collector)
+
+
+def actor_rollout(cfg: PPOConfig, dist: Any, custom_env: Any, policy: Any, rollout: Any) -> Any:
+    """The rollout backend of ``cfg.actors`` workers (``rollout/actors.py``); what they cannot do yet is refused."""
+    from ppokit.rollout.actors import actor_backend
+
+    for given, what in ((dist.active, "data-parallel ranks (--nproc)"), (custom_env is not None, "a custom env "
+                        "object or factory (a worker rebuilds its envs from env_id)"), (policy is not None,
+                        "a policy factory (a worker rebuilds the default policy)"),
+                        (rollout is not None, "another rollout backend")):
+        if given:
+            raise ConfigError("actors", f"is not supported with {what} yet: set actors = 0")
+    if cfg.ray_address is not None:
+        from ppokit.rollout.ray_actors import ray_backend
+
+        return ray_backend(cfg)
+    return actor_backend(cfg)
 
 
 @contextlib.contextmanager

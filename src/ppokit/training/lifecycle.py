@@ -129,7 +129,11 @@ class TrainerLifecycle:
 
     def _close_envs(self) -> None:
         """Close the training and evaluation envs, bounded by the watchdog (a hung async env's workers are
-        killed, not waited on); an env whose close() raises or hangs costs one warning line, not the run."""
+        killed, not waited on); an env whose close() raises or hangs costs one warning line, not the run. Rollout
+        workers (``--actors``) are stopped first."""
+        close_source = getattr(self.collector, "close", None)
+        if close_source is not None:
+            close_source()
         with self.watchdog.running():
             for envs in (self.envs, self._eval_envs):
                 if envs is None:

@@ -30,9 +30,10 @@ from ppokit.envs.masks import forget_probe_reset
 from ppokit.envs.run_envs import make_eval_envs
 from ppokit.kernels.fused_step import FusedStep
 from ppokit.policies import ActorCritic, Policy
+from ppokit.rollout.actors import vtrace_targets
 from ppokit.rollout.collector import bootstrap_values
 from ppokit.rollout.evaluation import evaluate_first_episodes
-from ppokit.rollout.source import RolloutBackend, RolloutSource, policy_lag
+from ppokit.rollout.source import RolloutBackend, RolloutSource, policy_lag, policy_lag_mean
 from ppokit.runtime import checkpoint as ckpt
 from ppokit.runtime.interrupts import install_sigint as _install_sigint
 from ppokit.training.build import build, claim_run_dir, default_run_dir, make_logger, write_run_files
@@ -156,7 +157,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         from ppokit.runtime.logger import SinkError
 
         cfg = self.config
-        old_handler = _install_sigint(self)
+        # With actors, SIGTERM too finishes the update, saves and stops the workers (rollout/actors.py).
+        old_handler = _install_sigint(self, sigterm=bool(cfg.actors))
         self.watchdog.start()  # stopped once the envs are closed (_finish, _abandon)
         start_time = time.perf_counter()
         start_step = self.global_step
@@ -201,6 +203,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
                                         start_step, start_time, kl_after)
                 if self.collector.stale:  # in process every sample is of the current policy: no column
                     metrics[S.POLICY_LAG] = float(self.policy_lag)
+                    metrics[S.POLICY_LAG_MEAN] = self.policy_lag_mean
+                    metrics.update(getattr(self.collector, "diagnostics", dict)())  # the actors' (rollout/actors.py)
                 if cfg.eval_every:
                     # Evaluation gate: a cheap evaluation (eval_deterministic: greedy or sampled) that ends the run
                     # once it is solved.
@@ -272,6 +276,7 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         episodes, nonfinite = source.collect(self.global_step)
         self.global_step += self.config.num_steps * self.config.num_envs * self.dist.world_size
         self.policy_lag = policy_lag(source.buffer, self.update_idx)
+        self.policy_lag_mean = policy_lag_mean(source.buffer, self.update_idx)
         return episodes, nonfinite
 
     @property
@@ -300,6 +305,9 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
     def compute_advantages(self) -> tuple[Batch, torch.Tensor, torch.Tensor]:
         """GAE over the rollout, flattened to the batch of valid steps."""
         cfg, buf = self.config, self.buffer
+        if cfg.actors:  # stale actors' chunks: V-trace under the current policy (rollout/actors.py)
+            advantages, returns = vtrace_targets(self.policy, buf, self.collector.last_obs, cfg.gamma, cfg.gae_lambda)
+            return buf.flat(advantages, returns), advantages, returns
         last_values = bootstrap_values(self.policy, self.collector)  # a stateful policy's from its live state
         next_values = buf.next_values(last_values)
         advantages, returns = gae(buf.rewards, buf.values, next_values, buf.terminated, buf.truncated,

@@ -1,0 +1,437 @@
+"""Decoupled rollout workers (``--actors K``): IMPALA's actor-learner split (Espeholt et al. 2018) on one machine.
+
+``ActorPool`` is a ``RolloutSource`` (``source.py``): K worker processes (torch.multiprocessing, spawn, one torch
+thread each) each build their own ``num_envs`` envs the way the trainer does and a copy of the policy, and run a
+plain ``collector.Collector`` over them, chunk after chunk of ``num_steps`` steps. Each chunk (every rollout
+field, the bootstrap observation, finished episodes, the acting policy version) goes to the learner through a
+multiprocessing queue; torch moves its tensors into shared memory. Between chunks a worker loads the newest
+published weights (a shared-memory state_dict and a version counter, under a lock).
+
+The learner takes one chunk per update into its ``[T, N]`` buffer, dropping (and counting) those more than
+``max_policy_lag`` versions old; ``vtrace_targets`` then gives the update V-trace targets and APPO's advantages
+under the CURRENT policy, and the usual PPO epochs run with the clipped surrogate against the behaviour
+log-probs frozen in the chunk. So ``diag/clipfrac`` and ``diag/approx_kl`` measure the distance from the
+behaviour policy, lag included: on CartPole (cartpole preset, 30k steps, seeds 1-4) the clip fraction of the
+last 20 updates is 0.50-0.67 with 2 actors against 0.09 for the synchronous loop, while the returns are as
+high (252-500 vs ~200 at seed 1). Clipping against the learner's pre-update policy instead (the "proximal"
+policy of Hilton et al. 2021, rho carrying the behaviour correction) brings it to 0.03-0.21, but learned less
+in the same runs (157-500).
+
+Observation normalization stays one set of statistics, the learner's: each worker normalizes with the published
+statistics and ships the moments of the observations it added (``normalize.split_moments``), which the learner
+merges in (``merge_moments``), dropped chunks included. Reward scaling is per env, hence per worker.
+
+Faults: a worker that raises reports it and exits; one that dies otherwise (kill -9) is noticed within
+``POLL_S``; either is named in one line on stderr and replaced by a fresh worker (new env seeds), counted in
+``diag/actor_replacements``. Workers ignore Ctrl-C (the learner finishes its update and stops them) and die with
+the learner (``die_with_parent``). Not supported yet, refused by the config: recurrent policies, capture_video,
+a CUDA learner; by ``build``: data-parallel ranks and a custom env or policy factory (a worker must rebuild them).
+A truncated episode's bootstrap V(final obs) is the behaviour policy's (the worker computes it at acting time).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ppokit.core.batch import flatten_steps, tree_copy_, tree_map
+from ppokit.core.schema import PERF_PHASES
+from ppokit.core.vtrace import vtrace
+from ppokit.envs.errors import EnvError, env_failure
+from ppokit.envs.watchdog import NO_WATCHDOG, die_with_parent
+from ppokit.rollout.buffer import ROLLOUT_FIELDS, RolloutBuffer
+from ppokit.rollout.collector import Collector
+from ppokit.rollout.normalize import merge_moments, split_moments
+
+__all__ = ["ActorPool", "RolloutWorker", "actor_backend", "vtrace_targets", "POLL_S", "STOP_GRACE_S"]
+
+# The learner looks at its workers at least this often while it waits for a chunk, so a kill -9 is noticed within
+# it; a worker waiting to hand over a chunk looks at the stop flag as often.
+POLL_S = 0.2
+# A stopping worker finishes its chunk (Hopper: 2048 steps, ~1.5 s on this machine) and is killed after this.
+STOP_GRACE_S = 5.0
+# A worker that raised has put its report on the queue: this exit code says so (the learner then reads the report
+# instead of guessing from the exit code).
+_REPORTED = 3
+# Replacements in a row with no chunk between them: the workers cannot run at all (an env that fails at once).
+_MAX_FAILURES_IN_A_ROW = 3
+
+
+def actor_backend(config: Any, pool: Any = None) -> Any:
+    """The ``rollout=`` backend (``source.RolloutBackend``) of ``config.actors`` workers: ``pool`` (default
+    ``ActorPool``, worker processes; ``ray_actors.RayActorPool``: Ray actors) built with Collector's arguments."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None and getattr(sys.modules.get("__main__"), "__name__",
+                                                                 "") == "__mp_main__":
+        # Python's spawn start method imports the starting script again in every worker.
+        from ppokit.core.errors import ConfigError
+
+        raise ConfigError("actors", "the script that trains runs again in each actor process: put its training "
+                          "call under if __name__ == '__main__':")
+    def backend(*args: Any, **kwargs: Any) -> ActorPool:
+        return (pool or ActorPool)(*args, config=config, **kwargs)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------- shared state
+class _Shared:
+    """What the learner and its workers share: the published weights and normalizer statistics (shared-memory
+    tensors), their version, a lock, the chunk queue and the stop flag."""
+
+    def __init__(self, ctx: Any, policy: torch.nn.Module, obs_norm: Any, queue_size: int):
+        def shared(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True).share_memory_()
+        self.weights = {k: shared(v) for k, v in policy.state_dict().items()}
+        self.obs_stats = tree_map(shared, obs_norm.state_dict()) if obs_norm is not None else None
+        self.version = ctx.Value("q", -1, lock=False)  # read without the lock: a stale read only delays a load
+        self.lock = ctx.Lock()
+        self.queue = ctx.Queue(maxsize=queue_size)
+        self.stop = ctx.Event()
+
+    def push(self, policy: torch.nn.Module, obs_norm: Any, version: int) -> None:
+        """Publish the learner's weights (and statistics) as ``version``."""
+        with self.lock, torch.no_grad():
+            for k, v in policy.state_dict().items():
+                self.weights[k].copy_(v)
+            if obs_norm is not None:
+                tree_copy_(self.obs_stats, obs_norm.state_dict())
+            self.version.value = version
+
+    def pull(self, policy: torch.nn.Module, obs_norm: Any, have: int) -> int:
+        """Load the newest published weights into a worker's ``policy`` if newer than ``have``; their version."""
+        if self.version.value == have:
+            return have
+        with self.lock, torch.no_grad():
+            policy.load_state_dict(self.weights)
+            if obs_norm is not None:
+                obs_norm.load_state_dict(self.obs_stats)
+            return int(self.version.value)
+
+    def put(self, item: dict) -> bool:
+        """Hand ``item`` to the learner; False once the learner asked the workers to stop."""
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+# ---------------------------------------------------------------------------------------- the worker
+def _rms_leaves(state: dict, path: tuple = ()) -> list[tuple[tuple, dict]]:
+    """The ``RunningMeanStd`` states in a normalizer's state (one, or one per part of a Dict observation)."""
+    if "count" in state:
+        return [(path, state)]
+    return [leaf for key in sorted(state) for leaf in _rms_leaves(state[key], path + (key,))]
+
+
+def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> None:
+    """A rollout worker's process: chunks of ``cfg.num_steps`` steps until the learner says stop."""
+    die_with_parent(pid_parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it finishes the update, then stops us
+    torch.set_num_threads(1)
+    try:
+        _act(slot, cfg, seed, shared, acting_type)
+    except BaseException as exc:  # noqa: BLE001 - whatever it was, the learner names it in one line
+        message = f"{type(exc).__name__}: {' '.join(str(exc).split()) or '(no message)'}"
+        try:
+            shared.queue.put({"kind": "error", "slot": slot, "pid": os.getpid(), "message": message}, timeout=5.0)
+            shared.queue.close()
+            shared.queue.join_thread()  # the report is in the pipe before the exit code says it is
+        except Exception:  # noqa: BLE001 - the learner sees the exit code instead
+            os._exit(1)
+        os._exit(_REPORTED)
+    shared.queue.cancel_join_thread()  # stopping: a chunk nobody will read must not hold the exit
+    os._exit(0)
+
+
+def _act(slot: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> None:
+    worker = RolloutWorker(slot, cfg, seed, acting_type)
+    try:
+        while not shared.stop.is_set():
+            worker.version = shared.pull(worker.policy, worker.obs_norm, worker.version)
+            if not shared.put(worker.chunk()):
+                break
+    finally:
+        worker.close()
+
+
+class RolloutWorker:
+    """One worker's envs, policy copy and ``Collector``; ``chunk()`` steps ``num_steps`` and returns the chunk.
+
+    The process workers here and the Ray actors (``ray_actors.py``) both run it; they differ only in how the
+    weights arrive (loaded into ``policy`` and ``obs_norm`` with their ``version`` before a chunk) and how the
+    chunk leaves."""
+
+    def __init__(self, slot: int, cfg: Any, seed: int, acting_type: Any = None):
+        from ppokit.envs.encoders import observation_encoder
+        from ppokit.envs.masks import action_masks_available
+        from ppokit.envs.run_envs import make_train_envs
+        from ppokit.policies import config_policy
+        from ppokit.rollout.normalize import RewardScaler, make_obs_normalizer
+
+        torch.manual_seed(seed)
+        self.slot, self.cfg, self.version, self.step = slot, cfg, -1, 0
+        self.envs = envs = make_train_envs(cfg)
+        obs_space, act_space = envs.single_observation_space, envs.single_action_space
+        self.policy = policy = config_policy(obs_space, act_space, cfg)
+        if policy.kind != "continuous":  # masks sent only in info are seen at a first reset, as build() finds them
+            action_masks_available(envs, seed, cfg.env_id)
+        self.obs_norm = make_obs_normalizer(observation_encoder(obs_space)) if cfg.normalize_obs else None
+        reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma) if cfg.normalize_reward else None
+
+        def fail(step: int, rollout_start: int, exc: BaseException | None = None,
+                 detail: str | None = None) -> EnvError:
+            return env_failure(cfg.env_id, "step()", step, exc, envs, detail)
+
+        # The learner's kind of acting object: its acting kernel (kernels/acting.py; it sees load_state_dict through
+        # the parameters' version counters) where the learner acts with one, else the eager policy.
+        acting = policy if acting_type is None else acting_type(policy)
+        self.collector = Collector(envs, policy, acting, num_steps=cfg.num_steps, device=torch.device("cpu"),
+                                   env_id=cfg.env_id, obs_norm=self.obs_norm, reward_scaler=reward_scaler,
+                                   perf=dict.fromkeys(PERF_PHASES, 0.0), fail=fail)
+        self.collector.watchdog = NO_WATCHDOG
+        self.collector.reset(seed)
+        envs.action_space.seed(seed)
+        self.names = [f.name for f in ROLLOUT_FIELDS.fields() if self.collector.buffer.__dict__[f.name] is not None]
+
+    def chunk(self) -> dict:
+        """``num_steps`` steps of every env with the loaded weights: the chunk the learner takes."""
+        cfg, collector, obs_norm = self.cfg, self.collector, self.obs_norm
+        before = obs_norm.state_dict() if obs_norm is not None else None
+        collector.publish(self.policy, self.version)
+        episodes, nonfinite = collector.collect(self.step)
+        self.step += cfg.num_steps * cfg.num_envs
+        moments = None
+        if obs_norm is not None:  # the moments of the observations this chunk added to the statistics
+            after = dict(_rms_leaves(obs_norm.state_dict()))
+            moments = [(path, *split_moments(old, after[path])) for path, old in _rms_leaves(before)]
+        buf = collector.buffer
+        return {"kind": "chunk", "slot": self.slot, "pid": os.getpid(), "version": self.version,
+                "fields": {name: tree_map(torch.clone, buf.__dict__[name]) for name in self.names},
+                "last_obs": tree_map(torch.clone, collector.last_obs), "episodes": episodes,
+                "life_episodes": list(collector.life_episodes), "nonfinite": nonfinite, "moments": moments}
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+# ---------------------------------------------------------------------------------------- the learner's side
+class ActorPool(Collector):
+    """The learner's side of ``config.actors`` rollout workers (see the module docstring).
+
+    It is a ``Collector`` over the learner's own (idle) envs for everything but the rollout: the buffer's layout,
+    ``normalize``, the checkpoint's loop state. The workers start at the first ``publish``, with its weights.
+    """
+
+    stale = True  # a chunk may come from weights older than the last published
+
+    def __init__(self, *args: Any, config: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.config = config
+        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.workers: dict[int, Any] = {}  # slot -> Process
+        self.starts = 0  # workers started so far (each gets its own env seeds)
+        self.replacements = self.dropped = self.taken = self.lost = 0  # lost: chunks of workers that died
+        self._failures_in_a_row = 0
+        self._seed = config.seed
+        self._shared: _Shared | None = None
+        self._fields = {f.name for f in ROLLOUT_FIELDS.fields() if self.buffer.__dict__[f.name] is not None}
+
+    # ------------------------------------------------------------------ the source's side of the learner
+    def reset(self, seed: int) -> None:
+        """The learner's own envs (the checkpoint's loop state); the workers' envs are seeded from ``seed``."""
+        super().reset(seed)
+        self._seed = seed
+
+    def publish(self, weights: Any, version: int) -> None:
+        """Publish the weights of update ``version`` to the workers (the first call starts them)."""
+        self.policy_version = version
+        if self._shared is None:
+            self._shared = _Shared(self.ctx, weights, self.obs_norm, queue_size=self.config.actors)
+            self._shared.push(weights, self.obs_norm, version)
+            for slot in range(self.config.actors):
+                self._start(slot)
+            return
+        self._shared.push(weights, self.obs_norm, version)
+
+    def collect(self, global_step: int) -> tuple[list, int]:
+        """Wait for the next chunk recent enough to train on, and copy it into the buffer."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        while True:
+            item = self._next_item()
+            if item["kind"] == "error":
+                self._replace(item["slot"], item["pid"], item["message"])
+                continue
+            self._failures_in_a_row = 0
+            self._merge_moments(item["moments"])
+            if self.policy_version - item["version"] > cfg.max_policy_lag:
+                self.dropped += 1
+                continue
+            break
+        self.taken += 1
+        buf: RolloutBuffer = self.buffer
+        if set(item["fields"]) != self._fields:  # e.g. a worker's env sends masks, the learner's does not
+            raise EnvError(f"actor {item['slot']} sent a chunk with fields {sorted(item['fields'])}, the learner's "
+                           f"buffer has {sorted(self._fields)}: its envs differ from the learner's")
+        for name, value in item["fields"].items():
+            tree_copy_(buf.__dict__[name], value)
+        self.last_obs = tree_map(lambda t: t.to(self.device), item["last_obs"])
+        self.life_episodes = item["life_episodes"]
+        self.perf["env"] += time.perf_counter() - t0  # the learner's wait for its actors
+        return item["episodes"], item["nonfinite"]
+
+    def diagnostics(self) -> dict[str, float]:
+        """The actors' side of the update's metrics (``core.schema.STALE_SOURCE_METRICS``)."""
+        from ppokit.core import schema as S
+
+        seen = self.dropped + self.taken
+        return {S.DROPPED_CHUNKS_FRAC: self.dropped / seen if seen else 0.0,
+                S.ACTOR_REPLACEMENTS: float(self.replacements)}
+
+    def close(self) -> None:
+        """Stop every worker (bounded by ``STOP_GRACE_S``, then killed); idempotent."""
+        shared, self._shared = self._shared, None
+        if shared is None:
+            return
+        shared.stop.set()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.workers.values():
+            while proc.is_alive() and time.monotonic() < deadline:
+                _drain(shared.queue)  # a worker blocked handing over a chunk sees the stop flag
+                proc.join(timeout=POLL_S)
+        for proc in self.workers.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=1.0)
+        _drain(shared.queue)
+        shared.queue.close()
+        shared.queue.cancel_join_thread()
+        self.workers.clear()
+
+    # ------------------------------------------------------------------ workers
+    def _worker_seed(self, slot: int) -> int:
+        """The env seed of the next worker started in ``slot``: every worker ever started gets envs seeded apart
+        from every other's, seed + i for env i of start s."""
+        cfg = self.config
+        return self._seed + (1 + self.starts) * cfg.num_envs * 1000 + slot * cfg.num_envs
+
+    def _acting_type(self) -> Any:
+        """Acting as the learner acts: with its acting kernel's class (the fused path's), else the eager policy."""
+        return None if self.acting is self.policy else type(self.acting)
+
+    def _start(self, slot: int) -> None:
+        seed = self._worker_seed(slot)
+        self.starts += 1
+        proc = self.ctx.Process(target=_worker_main, args=(slot, os.getpid(), self.config, seed, self._shared,
+                                                           self._acting_type()),
+                                name=f"ppokit-actor-{slot}", daemon=False)  # daemon=False: async envs start children
+        proc.start()
+        self.workers[slot] = proc
+
+    # What a transport does to a dead worker's slot (the process pool here, the Ray pool in ray_actors.py).
+    def _current(self, slot: int, pid: int | None) -> bool:
+        """Whether ``pid`` is still ``slot``'s worker (a death is reported once, by the first who sees it)."""
+        proc = self.workers.get(slot)
+        return proc is not None and proc.pid == pid
+
+    def _retire(self, slot: int) -> None:
+        """Make sure ``slot``'s dead worker is gone."""
+        proc = self.workers[slot]
+        proc.join(timeout=STOP_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=1.0)
+
+    def _who(self, pid: int | None) -> str:
+        """How the stderr lines name a worker."""
+        return f"pid {pid}"
+
+    def _describe(self, slot: int) -> str:
+        """How the stderr lines name ``slot``'s worker just started."""
+        return self._who(self.workers[slot].pid)
+
+    def _replace(self, slot: int, pid: int | None, why: str) -> None:
+        if not self._current(slot, pid):
+            return  # already replaced
+        self._retire(slot)
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row > _MAX_FAILURES_IN_A_ROW * self.config.actors:
+            raise EnvError(f"actor {slot} ({self._who(pid)}) died: {why}; {self._failures_in_a_row} workers in a row "
+                           "died before any chunk arrived, so the actors cannot run; check the env with --actors 0 (a "
+                           "script needs its training call under if __name__ == '__main__')")
+        self._start(slot)
+        self.replacements += 1
+        line = (f"ppokit: actor {slot} ({self._who(pid)}) died: {why}; replaced by {self._describe(slot)} "
+                f"({self.replacements} replaced so far)\n")
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+    def _check_workers(self) -> None:
+        for slot, proc in list(self.workers.items()):
+            code = proc.exitcode
+            if code is None or code == _REPORTED:  # alive, or its report is on the queue
+                continue
+            why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            self._replace(slot, proc.pid, why)
+
+    def _next_item(self) -> dict:
+        while True:
+            self._check_workers()
+            try:
+                return self._shared.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            except (ConnectionError, EOFError, OSError):
+                # A chunk's tensors are fetched from the worker that sent it when unpickled (torch's file-descriptor
+                # sharing): one whose worker died since is lost with it. The death is noticed by _check_workers.
+                self.lost += 1
+
+    def _merge_moments(self, moments: list | None) -> None:
+        """Merge a chunk's observation moments into the learner's statistics (published with the next weights)."""
+        if not moments or self.obs_norm is None:
+            return
+        state = self.obs_norm.state_dict()
+        leaves = dict(_rms_leaves(state))
+        for path, n, mean, var in moments:
+            if n > 0:
+                rms = leaves[path]
+                rms["count"], rms["mean"], rms["var"] = merge_moments(rms["count"], rms["mean"], rms["var"], n,
+                                                                      mean, var)
+        self.obs_norm.load_state_dict(state)
+
+
+def _drain(q: Any) -> None:
+    try:
+        while True:
+            q.get_nowait()
+    except (queue.Empty, OSError, ValueError, EOFError):
+        return
+
+
+# ---------------------------------------------------------------------------------------- V-trace
+def vtrace_targets(policy: Any, buffer: RolloutBuffer, last_obs: Any, gamma: float, lam: float) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` ``[T, N]`` of a chunk under the current ``policy``: V-trace targets as returns,
+    APPO's ``rho_t (r_t + gamma vs_{t+1} - V(x_t))`` as advantages (``core.vtrace``), with ``lam`` on the traces.
+    ``buffer.values`` becomes the current policy's V(x_t) (the value loss and its clipping start from it); the
+    behaviour log-probs in ``buffer.logp`` stay the surrogate's denominator."""
+    T, N = buffer.rewards.shape
+    with torch.inference_mode():
+        masks = None if buffer.masks is None else flatten_steps(buffer.masks)
+        logp, _, values = policy.evaluate(flatten_steps(buffer.obs), flatten_steps(buffer.actions),
+                                          action_mask=masks)
+        buffer.values.copy_(values.reshape(T, N))
+        next_values = buffer.next_values(policy.value(last_obs))
+        vs, advantages = vtrace(buffer.logp, logp.reshape(T, N), buffer.rewards, buffer.values, next_values,
+                                buffer.terminated, buffer.truncated, gamma, lam)
+    return advantages, vs

@@ -1,0 +1,192 @@
+"""``--actors K --ray-address local`` (rollout/ray_actors.py): the rollout actors as Ray actors on a one-machine Ray
+started for the run on 127.0.0.1, checked by what the run writes and by pid.
+
+Every process of a run (the learner, the Ray head's GCS and raylet, the actors) inherits the environment variable
+``_MARK``, so ``_marked`` finds them all by pid, and after the run none may be left."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ppokit.config.ppo_config import ConfigError, PPOConfig
+from ppokit.core import schema as S
+
+TESTS = Path(__file__).resolve().parent
+SRC = str(TESTS.parent / "src")
+LAG_COLUMNS = (S.POLICY_LAG, S.POLICY_LAG_MEAN, S.DROPPED_CHUNKS_FRAC, S.ACTOR_REPLACEMENTS)
+_MARK = "PPOKIT_RAY_TEST_RUN"
+# A Ray run on this loaded 2-core machine: ~6 s to start the head, ~15 s for 8k CartPole steps with 2 actors.
+RUN_TIMEOUT_S = 120
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs pip install -e '.[ray]'")
+
+
+def _train(run_dir: Path, mark: str, *flags: str) -> subprocess.Popen:
+    # tests/ on the path: the actors import actor_faults as its env id says.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", _MARK: mark, "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.Popen([sys.executable, "-m", "ppokit", "train", "--preset", "cartpole", "--seed", "1",
+                             "--actors", "2", "--ray-address", "local", "--run-dir", str(run_dir),
+                             "--no-tensorboard", "--quiet", *flags],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _marked(mark: str) -> dict[int, str]:
+    """pid -> command line of every live process of the run marked ``mark``."""
+    found = {}
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(_MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _actors(mark: str) -> list[int]:
+    """The run's Ray actor processes (Ray titles them ``ray::_RayWorker...``)."""
+    return sorted(pid for pid, cmd in _marked(mark).items() if cmd.startswith("ray::_RayWorker"))
+
+
+def _none_left(mark: str, timeout: float = 15.0) -> dict[int, str]:
+    deadline = time.monotonic() + timeout
+    while (left := _marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _finish(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the Ray run did not finish in {RUN_TIMEOUT_S} s: {err[-2000:]}")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture
+def mark():
+    mark = uuid.uuid4().hex
+    yield mark
+    for pid in _marked(mark):  # whatever a failed test left behind
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@needs_ray
+def test_cartpole_on_two_ray_actors_trains_logs_the_lag_and_leaves_no_process(tmp_path, mark):
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, mark, "--total-timesteps", "10240")
+    seen: set[int] = set()
+    while proc.poll() is None:
+        seen |= set(_actors(mark))
+        time.sleep(0.2)
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-2000:]
+    assert len(seen) == 2, seen  # two Ray actors did the stepping
+    rows = _rows(run_dir)
+    for col in LAG_COLUMNS:
+        assert col in rows[0], col
+    returns = [float(r[S.EPISODIC_RETURN]) for r in rows if r[S.EPISODIC_RETURN] not in ("", "nan")]
+    last = [x for x in returns[-5:] if not math.isnan(x)]
+    # Seed 1, 10k steps: ~75 by the end (random actions: ~20); 40 holds under load.
+    assert sum(last) / len(last) > 40, returns
+    lags = [float(r[S.POLICY_LAG]) for r in rows]
+    assert 0 <= min(lags) and max(lags) <= 8  # max_policy_lag's default
+    assert not _none_left(mark), "a process of the Ray run outlived it"
+    # Its checkpoint evaluates as any run's does.
+    ev = subprocess.run([sys.executable, "-m", "ppokit", "eval", str(run_dir), "--episodes", "2"],
+                        env={**os.environ, "PYTHONPATH": SRC}, capture_output=True, text=True, timeout=120)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+
+
+@needs_ray
+def test_a_ray_actor_killed_mid_run_is_named_and_replaced_and_the_run_finishes(tmp_path, mark):
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, mark, "--total-timesteps", "12288")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    victim = None
+    while victim is None and proc.poll() is None and time.monotonic() < deadline:
+        rows = _rows(run_dir) if (run_dir / "metrics.csv").exists() else []
+        actors = _actors(mark)
+        if len(rows) >= 3 and actors:  # mid-run: updates done, more to come
+            victim = actors[0]
+            os.kill(victim, signal.SIGKILL)
+        time.sleep(0.2)
+    assert victim is not None, "the run ended before an actor could be killed"
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-2000:]
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {victim}) died:" in line]
+    assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) >= 1
+    assert not _none_left(mark), "a process of the Ray run outlived it"
+
+
+@needs_ray
+def test_a_ray_actor_that_raises_is_named_with_its_exception_and_replaced(tmp_path, mark):
+    run_dir, flag = tmp_path / "run", tmp_path / "raised"
+    proc = _train(run_dir, mark, "--total-timesteps", "4096", "--env", "actor_faults:RaisingCartPole-v0",
+                  "--env-kwargs", f'{{"flag": "{flag}", "raise_after": 256}}')
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-2000:]
+    pid = int(flag.read_text())
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {pid}) died:" in line]
+    assert len(named) == 1 and "RuntimeError: injected fault in the third chunk" in named[0], err[-2000:]
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 1.0
+    assert not _none_left(mark), "a process of the Ray run outlived it"
+
+
+def test_ray_address_without_actors_is_refused_naming_the_field():
+    with pytest.raises(ConfigError) as err:
+        PPOConfig(ray_address="local").validate()
+    assert err.value.field == "ray_address" and "actors" in str(err.value)
+
+
+def test_ray_address_without_ray_installed_is_one_line(monkeypatch):
+    from ppokit.rollout.ray_actors import require_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as where it is not installed
+    with pytest.raises(ConfigError) as err:
+        require_ray()
+    assert err.value.field == "ray_address" and "pip install 'ppokit[ray]'" in str(err.value)
+
+
+def test_importing_ppokit_does_not_import_ray():
+    code = "import sys, ppokit, ppokit.training.trainer; print('ray' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC}, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+@needs_ray
+def test_a_killed_learner_takes_its_ray_head_and_actors_with_it(tmp_path, mark):
+    proc = _train(tmp_path / "run", mark, "--total-timesteps", "40960")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while len(_actors(mark)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_actors(mark)) == 2, "the two Ray actors did not start"
+    assert len(_marked(mark)) > 3  # the learner, the actors and the Ray head's own processes
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    # A `local` Ray's processes share the fate of the driver that started them (Ray's fate sharing): ~1.3 s here.
+    assert not _none_left(mark, 20.0), "a process of the Ray run outlived its killed learner"
