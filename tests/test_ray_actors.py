@@ -123,7 +123,9 @@ def test_cartpole_on_two_ray_actors_trains_logs_the_lag_and_leaves_no_process(tm
 @needs_ray
 def test_a_ray_actor_killed_mid_run_is_named_and_replaced_and_the_run_finishes(tmp_path, mark):
     run_dir = tmp_path / "run"
-    proc = _train(run_dir, mark, "--total-timesteps", "12288")
+    # Long enough that the kill lands mid-run on a loaded machine too: a CartPole update takes ~20 ms here, so
+    # 12k steps (48 updates) could end between the first rows showing and the kill.
+    proc = _train(run_dir, mark, "--total-timesteps", "61440")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     victim = None
     while victim is None and proc.poll() is None and time.monotonic() < deadline:

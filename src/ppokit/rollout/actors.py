@@ -3,9 +3,16 @@
 ``ActorPool`` is a ``RolloutSource`` (``source.py``): K worker processes (torch.multiprocessing, spawn, one torch
 thread each) each build their own ``num_envs`` envs the way the trainer does and a copy of the policy, and run a
 plain ``collector.Collector`` over them, chunk after chunk of ``num_steps`` steps. Each chunk (every rollout
-field, the bootstrap observation, finished episodes, the acting policy version) goes to the learner through a
-multiprocessing queue; torch moves its tensors into shared memory. Between chunks a worker loads the newest
-published weights (a shared-memory state_dict and a version counter, under a lock).
+field, the bootstrap observation, finished episodes, the acting policy version) goes to the learner through the
+worker's own multiprocessing queue; torch moves its tensors into shared memory. Between chunks a worker loads the
+newest published weights (a shared-memory state_dict and a version counter).
+
+Nothing a worker can die holding is shared with the others: a process killed inside a lock's critical section
+leaves the lock taken forever. So the weights are published under a sequence count, not a lock (the learner, the
+only writer, makes it odd while it writes; a worker whose copy saw it odd or changed copies again), and each
+worker hands its chunks over through a queue of its own (a queue's write lock is held by whichever process is
+sending; a shared one, with a worker killed mid-send, once left the learner waiting forever in a test). A
+replaced worker's queue is dropped with it.
 
 The learner takes one chunk per update into its ``[T, N]`` buffer, dropping (and counting) those more than
 ``max_policy_lag`` versions old; ``vtrace_targets`` then gives the update V-trace targets and APPO's advantages
@@ -59,6 +66,10 @@ STOP_GRACE_S = 5.0
 # A worker that raised has put its report on the queue: this exit code says so (the learner then reads the report
 # instead of guessing from the exit code).
 _REPORTED = 3
+# A worker finding a publish under way looks again after this; the learner, finding no chunk on any worker's queue,
+# looks again after _IDLE_S (a chunk waits at most that long: ~0.1% of a 2 s CartPole update's wall time).
+_PUBLISH_WAIT_S = 0.001
+_IDLE_S = 0.002
 # Replacements in a row with no chunk between them: the workers cannot run at all (an env that fails at once).
 _MAX_FAILURES_IN_A_ROW = 3
 
@@ -83,46 +94,56 @@ def actor_backend(config: Any, pool: Any = None) -> Any:
 # ---------------------------------------------------------------------------------------- shared state
 class _Shared:
     """What the learner and its workers share: the published weights and normalizer statistics (shared-memory
-    tensors), their version, a lock, the chunk queue and the stop flag."""
+    tensors), their version and sequence count, and the stop flag (see the module docstring: no lock)."""
 
-    def __init__(self, ctx: Any, policy: torch.nn.Module, obs_norm: Any, queue_size: int):
+    def __init__(self, ctx: Any, policy: torch.nn.Module, obs_norm: Any):
         def shared(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to("cpu", copy=True).share_memory_()
         self.weights = {k: shared(v) for k, v in policy.state_dict().items()}
         self.obs_stats = tree_map(shared, obs_norm.state_dict()) if obs_norm is not None else None
-        self.version = ctx.Value("q", -1, lock=False)  # read without the lock: a stale read only delays a load
-        self.lock = ctx.Lock()
-        self.queue = ctx.Queue(maxsize=queue_size)
+        self.version = ctx.Value("q", -1, lock=False)
+        self.seq = ctx.Value("q", 0, lock=False)  # odd while the learner writes the weights
         self.stop = ctx.Event()
 
     def push(self, policy: torch.nn.Module, obs_norm: Any, version: int) -> None:
         """Publish the learner's weights (and statistics) as ``version``."""
-        with self.lock, torch.no_grad():
+        self.seq.value += 1
+        with torch.no_grad():
             for k, v in policy.state_dict().items():
                 self.weights[k].copy_(v)
             if obs_norm is not None:
                 tree_copy_(self.obs_stats, obs_norm.state_dict())
-            self.version.value = version
+        self.version.value = version
+        self.seq.value += 1
 
     def pull(self, policy: torch.nn.Module, obs_norm: Any, have: int) -> int:
-        """Load the newest published weights into a worker's ``policy`` if newer than ``have``; their version."""
-        if self.version.value == have:
-            return have
-        with self.lock, torch.no_grad():
-            policy.load_state_dict(self.weights)
-            if obs_norm is not None:
-                obs_norm.load_state_dict(self.obs_stats)
-            return int(self.version.value)
-
-    def put(self, item: dict) -> bool:
-        """Hand ``item`` to the learner; False once the learner asked the workers to stop."""
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=POLL_S)
-                return True
-            except queue.Full:
+        """Load the newest published weights into a worker's ``policy`` if newer than ``have``; their version.
+        A copy that overlapped a publish (the count odd, or changed by the end) is taken again."""
+        while True:
+            seq = self.seq.value
+            if seq % 2:
+                time.sleep(_PUBLISH_WAIT_S)
                 continue
-        return False
+            version = int(self.version.value)
+            if version == have:
+                return have
+            with torch.no_grad():
+                policy.load_state_dict(self.weights)
+                if obs_norm is not None:
+                    obs_norm.load_state_dict(self.obs_stats)
+            if self.seq.value == seq:
+                return version
+
+
+def _hand_over(q: Any, stop: Any, item: dict) -> bool:
+    """Put ``item`` on the worker's queue ``q`` for the learner; False once the learner asked the workers to stop."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 # ---------------------------------------------------------------------------------------- the worker
@@ -133,32 +154,33 @@ def _rms_leaves(state: dict, path: tuple = ()) -> list[tuple[tuple, dict]]:
     return [leaf for key in sorted(state) for leaf in _rms_leaves(state[key], path + (key,))]
 
 
-def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> None:
+def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Shared, q: Any,
+                 acting_type: Any) -> None:
     """A rollout worker's process: chunks of ``cfg.num_steps`` steps until the learner says stop."""
     die_with_parent(pid_parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it finishes the update, then stops us
     torch.set_num_threads(1)
     try:
-        _act(slot, cfg, seed, shared, acting_type)
+        _act(slot, cfg, seed, shared, q, acting_type)
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the learner names it in one line
         message = f"{type(exc).__name__}: {' '.join(str(exc).split()) or '(no message)'}"
         try:
-            shared.queue.put({"kind": "error", "slot": slot, "pid": os.getpid(), "message": message}, timeout=5.0)
-            shared.queue.close()
-            shared.queue.join_thread()  # the report is in the pipe before the exit code says it is
+            q.put({"kind": "error", "slot": slot, "pid": os.getpid(), "message": message}, timeout=5.0)
+            q.close()
+            q.join_thread()  # the report is in the pipe before the exit code says it is
         except Exception:  # noqa: BLE001 - the learner sees the exit code instead
             os._exit(1)
         os._exit(_REPORTED)
-    shared.queue.cancel_join_thread()  # stopping: a chunk nobody will read must not hold the exit
+    q.cancel_join_thread()  # stopping: a chunk nobody will read must not hold the exit
     os._exit(0)
 
 
-def _act(slot: int, cfg: Any, seed: int, shared: _Shared, acting_type: Any) -> None:
+def _act(slot: int, cfg: Any, seed: int, shared: _Shared, q: Any, acting_type: Any) -> None:
     worker = RolloutWorker(slot, cfg, seed, acting_type)
     try:
         while not shared.stop.is_set():
             worker.version = shared.pull(worker.policy, worker.obs_norm, worker.version)
-            if not shared.put(worker.chunk()):
+            if not _hand_over(q, shared.stop, worker.chunk()):
                 break
     finally:
         worker.close()
@@ -239,6 +261,8 @@ class ActorPool(Collector):
         self.config = config
         self.ctx = torch.multiprocessing.get_context("spawn")
         self.workers: dict[int, Any] = {}  # slot -> Process
+        self.queues: dict[int, Any] = {}  # slot -> its worker's chunk queue
+        self._next_slot = 0  # where the next look for a chunk starts: the workers take turns
         self.starts = 0  # workers started so far (each gets its own env seeds)
         self.replacements = self.dropped = self.taken = self.lost = 0  # lost: chunks of workers that died
         self._failures_in_a_row = 0
@@ -256,7 +280,7 @@ class ActorPool(Collector):
         """Publish the weights of update ``version`` to the workers (the first call starts them)."""
         self.policy_version = version
         if self._shared is None:
-            self._shared = _Shared(self.ctx, weights, self.obs_norm, queue_size=self.config.actors)
+            self._shared = _Shared(self.ctx, weights, self.obs_norm)
             self._shared.push(weights, self.obs_norm, version)
             for slot in range(self.config.actors):
                 self._start(slot)
@@ -305,18 +329,18 @@ class ActorPool(Collector):
             return
         shared.stop.set()
         deadline = time.monotonic() + STOP_GRACE_S
-        for proc in self.workers.values():
+        for slot, proc in self.workers.items():
             while proc.is_alive() and time.monotonic() < deadline:
-                _drain(shared.queue)  # a worker blocked handing over a chunk sees the stop flag
+                _drain(self.queues[slot])  # a worker blocked handing over a chunk sees the stop flag
                 proc.join(timeout=POLL_S)
         for proc in self.workers.values():
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=1.0)
-        _drain(shared.queue)
-        shared.queue.close()
-        shared.queue.cancel_join_thread()
+        for q in self.queues.values():
+            _close(q)
         self.workers.clear()
+        self.queues.clear()
 
     # ------------------------------------------------------------------ workers
     def _worker_seed(self, slot: int) -> int:
@@ -332,7 +356,11 @@ class ActorPool(Collector):
     def _start(self, slot: int) -> None:
         seed = self._worker_seed(slot)
         self.starts += 1
-        proc = self.ctx.Process(target=_worker_main, args=(slot, os.getpid(), self.config, seed, self._shared,
+        old = self.queues.pop(slot, None)
+        if old is not None:  # the dead worker's queue (its report, if any, was read): dropped with it
+            _close(old)
+        self.queues[slot] = q = self.ctx.Queue(maxsize=1)
+        proc = self.ctx.Process(target=_worker_main, args=(slot, os.getpid(), self.config, seed, self._shared, q,
                                                            self._acting_type()),
                                 name=f"ppokit-actor-{slot}", daemon=False)  # daemon=False: async envs start children
         proc.start()
@@ -385,16 +413,28 @@ class ActorPool(Collector):
             self._replace(slot, proc.pid, why)
 
     def _next_item(self) -> dict:
+        """The next chunk or error report on any worker's queue, the workers taking turns."""
+        deadline = time.monotonic()  # the workers are looked at first, then every POLL_S
         while True:
-            self._check_workers()
-            try:
-                return self._shared.queue.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            except (ConnectionError, EOFError, OSError):
-                # A chunk's tensors are fetched from the worker that sent it when unpickled (torch's file-descriptor
-                # sharing): one whose worker died since is lost with it. The death is noticed by _check_workers.
-                self.lost += 1
+            if time.monotonic() >= deadline:
+                self._check_workers()
+                deadline = time.monotonic() + POLL_S
+            slots = sorted(self.queues)
+            for i in range(len(slots)):
+                slot = slots[(self._next_slot + i) % len(slots)]
+                try:
+                    item = self.queues[slot].get_nowait()
+                except queue.Empty:
+                    continue
+                except (ConnectionError, EOFError, OSError):
+                    # A chunk's tensors are fetched from the worker that sent it when unpickled (torch's
+                    # file-descriptor sharing): one whose worker died since is lost with it. The death is noticed
+                    # by _check_workers.
+                    self.lost += 1
+                    continue
+                self._next_slot = (self._next_slot + i + 1) % len(slots)
+                return item
+            time.sleep(_IDLE_S)
 
     def _merge_moments(self, moments: list | None) -> None:
         """Merge a chunk's observation moments into the learner's statistics (published with the next weights)."""
@@ -408,6 +448,12 @@ class ActorPool(Collector):
                 rms["count"], rms["mean"], rms["var"] = merge_moments(rms["count"], rms["mean"], rms["var"], n,
                                                                       mean, var)
         self.obs_norm.load_state_dict(state)
+
+
+def _close(q: Any) -> None:
+    _drain(q)
+    q.close()
+    q.cancel_join_thread()
 
 
 def _drain(q: Any) -> None:
