@@ -160,3 +160,17 @@ def test_state_dicts_round_trip_through_weights_only_load(tmp_path):
 
     with pytest.raises(ValueError, match="shape"):
         ObsNormalizer((3,)).load_state_dict(loaded["obs"])
+
+
+def test_reward_scaler_edge_inputs():
+    # Equal returns in every env (variance 0): eps alone keeps the scale finite, r / sqrt(0 + 1e-8) = 1e-5 / 1e-4.
+    scaler = RewardScaler(2, 0.99)
+    np.testing.assert_allclose(scaler.scale(np.array([1e-5, 1e-5]), np.array([False, False])).numpy(), [0.1, 0.1],
+                               rtol=1e-6)
+    # Episode ends given as 0/1 integers (not bools) still restart the return of the env that ended.
+    scaler.scale(np.array([1e-5, 1e-5]), np.array([0, 1]))
+    np.testing.assert_allclose(scaler.returns.numpy(), [1e-5 * 0.99 + 1e-5, 0.0], rtol=1e-12)
+    # Either input of the wrong length is refused, not broadcast.
+    for rewards, dones in (([1.0, 2.0, 3.0], [False, False]), ([1.0, 2.0], [False, False, False])):
+        with pytest.raises(ValueError, match=r"expected rewards and dones of shape \[2\]"):
+            scaler.scale(np.array(rewards), np.array(dones))
