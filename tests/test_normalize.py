@@ -18,6 +18,8 @@ def test_running_mean_std_equals_numpy_of_concatenation(shape):
     batches = [rng.normal(5e3, 3.0, size=(b, *shape)) for b in (1, 7, 64, 3, 250)]
     rms = RunningMeanStd(shape)
     assert torch.all(rms.mean == 0) and torch.all(rms.var == 1) and rms.count.item() == 0
+    # Before any batch the state is float64 already (a checkpoint of a fresh normalizer says "float64").
+    assert all(t.dtype == torch.float64 for t in rms.state_dict().values())
     for b in batches:
         rms.update(torch.as_tensor(b))
     ref = np.concatenate(batches, axis=0)
@@ -38,6 +40,13 @@ def test_running_mean_std_accepts_numpy_and_ignores_empty_batch():
         rms.update(np.zeros((3, 5)))
     with pytest.raises(ValueError, match=r"^expected a batch of shape \[B, 2, 3\], got \(4, 3\)$"):
         RunningMeanStd((2, 3)).update(np.zeros((4, 3)))
+
+
+def test_an_int_shape_is_a_one_axis_shape():
+    rms = RunningMeanStd(3)
+    assert rms.shape == (3,) and rms.mean.shape == (3,) and rms.var.shape == (3,)
+    rms.update(np.array([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]))
+    np.testing.assert_allclose(rms.var.numpy(), [1.0, 0.0, 1.0])
 
 
 def test_float32_observations_are_accumulated_in_float64():
