@@ -8,11 +8,12 @@ the end of the episode (or of the rollout), and the lambda = 1 case is a discoun
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
-from ppokit.core.advantages import gae, normalize
+from ppokit.core.advantages import SPREAD_ULPS, gae, normalize
 
 F64 = torch.float64
 
@@ -101,6 +102,53 @@ def test_gae_float32_close_to_float64_reference(T, N):
     torch.testing.assert_close(adv.double(), _reference_gae(*rollout, 0.99, 0.95), rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_and_mixed_precision_rollouts_match_the_float64_reference():
+    # bf16 has no numpy dtype: such a rollout must take the torch loop, not the host (numpy) one. A bf16 reward
+    # with float32 values gives float32 deltas but a bf16 decay. Tolerances: bf16 keeps 8 bits (eps 2^-8).
+    rollout = _random_rollout(5, 3, seed=11)
+    r, v, nv, term, trunc = rollout
+    bf = torch.bfloat16
+    adv, ret = gae(r.to(bf), v.to(bf), nv.to(bf), term, trunc, gamma=0.99, gae_lambda=0.95)
+    assert adv.dtype == bf and ret.dtype == bf
+    rounded = (r.to(bf).double(), v.to(bf).double(), nv.to(bf).double(), term, trunc)
+    torch.testing.assert_close(adv.double(), _reference_gae(*rounded, 0.99, 0.95), rtol=2e-2, atol=5e-2)
+    adv, _ = gae(r.to(bf), v.float(), nv.float(), term, trunc, gamma=0.99, gae_lambda=0.95)
+    assert adv.dtype == torch.float32
+    expected = _reference_gae(r.to(bf).double(), v, nv, term, trunc, 0.99, 0.95)
+    torch.testing.assert_close(adv.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_gradients_flow_from_the_advantages_to_the_rewards():
+    # Autograd through gae (e.g. a learned reward): sum_t A_t is linear in r, and r[s] enters A_t with weight
+    # (gamma * lam)^(s - t) for every t <= s of the same episode. Only the deltas require grad here, the decay not.
+    r, v, nv, term, trunc = _random_rollout(6, 3, seed=12)
+    r.requires_grad_(True)
+    gamma, lam = 0.9, 0.8
+    adv, _ = gae(r, v, nv, term, trunc, gamma=gamma, gae_lambda=lam)
+    adv.sum().backward()
+    expected = torch.zeros(6, 3, dtype=F64)
+    for n in range(3):
+        t_term, t_trunc = term[:, n].tolist(), trunc[:, n].tolist()
+        for s in range(6):
+            expected[s, n] = sum((gamma * lam) ** (s - t) for t in range(s + 1)
+                                 if _episode_end(t_term, t_trunc, t) >= s)
+    torch.testing.assert_close(r.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("N", [1, 3])
+def test_a_nonfinite_reward_propagates_without_a_numpy_warning(N):
+    # An Inf reward right after an episode end makes the host loop compute 0 * Inf: numpy would warn ("invalid
+    # value encountered") on every rollout that holds one; torch does not, and the update's guard handles it.
+    r, v, nv, _, trunc = _random_rollout(4, N, seed=13)
+    r[1] = float("inf")
+    term = torch.zeros(4, N, dtype=torch.bool)
+    term[0] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adv, _ = gae(r, v, nv, term, torch.zeros_like(trunc), gamma=0.99, gae_lambda=0.95)
+    assert not torch.isfinite(adv[:2]).any() and torch.isfinite(adv[2:]).all()
+
+
 @pytest.mark.parametrize(("T", "N"), SHAPES)
 def test_lambda_zero_gamma_one_is_td0(T, N):
     r, v, nv, term, trunc = _random_rollout(T, N, seed=T * 7 + N)
@@ -182,9 +230,13 @@ def test_envs_are_independent():
 
 def test_gae_rejects_bad_shapes():
     r, v, nv, term, trunc = _random_rollout(4, 2, seed=0)
-    with pytest.raises(ValueError, match="values"):
-        gae(r, v[:, :1], nv, term, trunc, gamma=0.99, gae_lambda=0.95)
-    with pytest.raises(ValueError):
+    # The message names the input of the wrong shape (one line, no traceback to read).
+    rollout = {"values": v, "next_values": nv, "terminated": term, "truncated": trunc}
+    for name in rollout:
+        bad = dict(rollout, **{name: rollout[name][:, :1]})
+        with pytest.raises(ValueError, match=rf"^gae: {name} has shape \(4, 1\), rewards has \(4, 2\)"):
+            gae(r, **bad, gamma=0.99, gae_lambda=0.95)
+    with pytest.raises(ValueError, match=r"^gae: expected \[T, N\] tensors, got 1 dims$"):
         gae(r.reshape(-1), v.reshape(-1), nv.reshape(-1), term.reshape(-1), trunc.reshape(-1), 0.99, 0.95)
     with pytest.raises(ValueError):
         gae(r, v, nv, term.unsqueeze(-1), trunc, gamma=0.99, gae_lambda=0.95)
@@ -230,6 +282,22 @@ def test_normalize_of_any_constant_vector_is_exactly_zero_in_both_paths(dtype):
             for sizes in ([n], [n, n, n], [n + 1, n, n]):
                 rows = torch.full((sum(sizes),), v, dtype=dtype)
                 assert torch.equal(_normalize_rows(rows, sizes), torch.zeros_like(rows)), (sizes, v)
+
+
+@pytest.mark.parametrize("mean", [1.0, 4.0, 0.25])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_spread_of_exactly_spread_ulps_of_the_mean_is_noise_and_twice_that_is_not(masked, mean):
+    # float64: SPREAD_ULPS * eps * |mean| = 32 * 2^-52 * mean = 2^-47 * mean. [mean -+ 2^-47 * mean] (powers of
+    # two, so every number here is exact) has population std 2^-47 * mean: the rule is std <= tol * |mean|, so it
+    # is noise (0). Twice the spread is kept: (x - mean) / (std + 1e-8) = +-std / (std + 1e-8).
+    assert SPREAD_ULPS * torch.finfo(F64).eps == 2.0 ** -47
+    mask = torch.ones(2, dtype=torch.bool) if masked else None
+    h = 2.0 ** -47 * mean
+    edge = torch.tensor([mean - h, mean + h], dtype=F64)
+    assert torch.equal(normalize(edge, mask=mask), torch.zeros(2, dtype=F64))
+    above = torch.tensor([mean - 2 * h, mean + 2 * h], dtype=F64)
+    step = 2 * h / (2 * h + 1e-8)
+    torch.testing.assert_close(normalize(above, mask=mask), torch.tensor([-step, step], dtype=F64), rtol=1e-12, atol=0)
 
 
 def test_normalize_keeps_real_spread_and_nonfinite_input():

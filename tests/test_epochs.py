@@ -16,7 +16,16 @@ from ppokit.kernels.flat_adam import FlatAdam
 from ppokit.kernels.fused_step import FusedStep
 from ppokit.policies import ActorCritic
 from ppokit.update.autograd import AutogradStep
-from ppokit.update.epochs import STAT_NAMES, Batch, MinibatchResult, UpdateSettings, minibatch_sizes, ppo_epochs
+from ppokit.update.epochs import (
+    BATCH_FIELDS,
+    STAT_NAMES,
+    Batch,
+    MinibatchResult,
+    UpdateSettings,
+    kl_stops,
+    minibatch_sizes,
+    ppo_epochs,
+)
 
 COUNTERS = ("minibatches", "skipped_minibatches", "epochs_run", "early_stopped")
 
@@ -114,6 +123,13 @@ def test_no_applied_minibatch_gives_nan_means_and_the_named_keys():
     assert tuple(out) == STAT_NAMES + COUNTERS
     assert all(math.isnan(out[name]) for name in STAT_NAMES)
     assert out["minibatches"] == 0.0 and out["skipped_minibatches"] == 2.0
+    # No epoch asked for (ppo_epochs is callable with settings no config validated): nothing runs, and the
+    # counters say so.
+    step = ScriptedStep([])
+    out = ppo_epochs(tiny_batch(4), settings(update_epochs=0), step)
+    assert step.calls == ["enter", "exit"]
+    assert out["epochs_run"] == 0.0 and out["minibatches"] == 0.0 and out["early_stopped"] == 0.0
+    assert all(math.isnan(out[name]) for name in STAT_NAMES)
 
 
 def test_sync_runs_between_the_backward_and_the_measurement_with_the_steps_tensors():
@@ -266,3 +282,24 @@ def test_an_identity_sync_changes_nothing(kind):
         params.append(snapshot(policy))
     assert outs[0] == outs[1]
     assert all(torch.equal(p, q) for p, q in zip(*params))
+
+
+def test_kl_stops_only_strictly_above_1_5_target():
+    # 0.5 * 1.5 = 0.75 exactly: a KL of exactly 1.5 x target is still allowed (SB3: approx_kl > 1.5 * target_kl),
+    # the next float above it stops; no target never stops.
+    assert not kl_stops(0.75, 0.5)
+    assert kl_stops(math.nextafter(0.75, 1.0), 0.5)
+    assert not kl_stops(1e30, None)
+
+
+def test_the_optional_batch_fields_exist_exactly_when_the_run_has_them():
+    # A run without action masks and with a stateless policy has neither field; a masked env's run has an
+    # [n_logits] bool action mask, a stateful policy's run a per-step bool episode start.
+    plain = {"obs": (4,), "action_shape": (), "action_dtype": torch.long}
+    for dims in (plain, dict(plain, mask_dim=None, policy_state=None)):
+        assert BATCH_FIELDS["action_mask"].layout(dims) is None
+        assert BATCH_FIELDS["episode_start"].layout(dims) is None
+    assert BATCH_FIELDS["action_mask"].layout(dict(plain, mask_dim=6)) == ((6,), torch.bool)
+    stateful = dict(plain, policy_state={"h": ((8,), torch.float32)})
+    assert BATCH_FIELDS["episode_start"].layout(stateful) == ((), torch.bool)
+    assert BATCH_FIELDS["action_mask"].layout(stateful) is None

@@ -5,6 +5,7 @@ under test."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -201,6 +202,29 @@ def test_shape_mismatch_b_vs_b1_raises(fn):
         fn(a, b)
 
 
+# Each checked argument of each function in turn gets the wrong shape: one that would broadcast silently
+# ([4, 1, 3] against [4, 3]) and one that would not ([5, 3], where torch would raise its own RuntimeError first
+# from the arithmetic). Both must be the function's one-line ValueError. gaussian_kl checks the means only (a
+# state-independent log-std of shape [D] broadcasts on purpose).
+_CHECKED_ARGS = {
+    "kl_penalty_objective": (lambda *t: kl_penalty_objective(*t, 0.1), 3, (0, 1, 2)),
+    "categorical_kl": (categorical_kl, 2, (0, 1)),
+    "gaussian_kl": (gaussian_kl, 4, (0, 2)),
+}
+
+
+@pytest.mark.parametrize("wrong", [(4, 1, 3), (5, 3)])
+@pytest.mark.parametrize(
+    "name, position", [(name, pos) for name, (_, _, positions) in _CHECKED_ARGS.items() for pos in positions]
+)
+def test_each_checked_argument_of_a_wrong_shape_raises_the_shape_error(name, position, wrong):
+    fn, n_args, _ = _CHECKED_ARGS[name]
+    args = [torch.zeros(4, 3) for _ in range(n_args)]
+    args[position] = torch.zeros(wrong)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fn(*args)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Value loss.
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,6 +294,10 @@ def test_gaussian_entropy_against_torch_distributions():
     log_std = torch.randn(10, 3, generator=g, dtype=F64)
     expected = torch.distributions.Normal(torch.zeros_like(log_std), log_std.exp()).entropy().sum(-1)
     torch.testing.assert_close(gaussian_entropy(log_std), expected, rtol=1e-12, atol=1e-12)
+    # [T, N, D]: the sum runs over the last (action) axis only, whatever the batch rank.
+    log_std = torch.randn(5, 4, 3, generator=g, dtype=F64)
+    expected = torch.distributions.Normal(torch.zeros_like(log_std), log_std.exp()).entropy().sum(-1)
+    torch.testing.assert_close(gaussian_entropy(log_std), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_entropy_loss_is_negative_mean():
@@ -299,6 +327,12 @@ def test_gaussian_kl_against_torch_distributions():
     g = torch.Generator().manual_seed(10)
     mean_p, mean_q = torch.randn(2, 7, 3, generator=g, dtype=F64)
     log_std_p, log_std_q = torch.randn(2, 7, 3, generator=g, dtype=F64) * 0.5
+    p = torch.distributions.Normal(mean_p, log_std_p.exp())
+    q = torch.distributions.Normal(mean_q, log_std_q.exp())
+    expected = torch.distributions.kl_divergence(p, q).sum(-1)
+    torch.testing.assert_close(gaussian_kl(mean_p, log_std_p, mean_q, log_std_q), expected, rtol=1e-12, atol=1e-12)
+    # [T, N, D]: summed over the action axis only.
+    mean_p, mean_q, log_std_p, log_std_q = torch.randn(4, 5, 4, 3, generator=g, dtype=F64)
     p = torch.distributions.Normal(mean_p, log_std_p.exp())
     q = torch.distributions.Normal(mean_q, log_std_q.exp())
     expected = torch.distributions.kl_divergence(p, q).sum(-1)
@@ -391,6 +425,9 @@ def test_kl_penalty_beta_zero_is_plain_importance_sampled_surrogate():
         (0.2, 3 / 6),  # |r - 1| = 0, .05, .25, .25, .15, 1 -> > .2: 1.25, 0.75, 2.0
         (0.1, 4 / 6),  # > .1: 1.25, 0.75, 0.85, 2.0
         (0.3, 1 / 6),  # > .3: 2.0
+        # |r - 1| exactly eps (1.25 and 0.75 are exact in float32) is still inside the trust region, as in the
+        # clamp (past_clip): > .25 is 2.0 alone.
+        (0.25, 1 / 6),
         (1.5, 0.0),
     ],
 )
@@ -411,6 +448,10 @@ def test_explained_variance_perfect_mean_and_hand():
     assert explained_variance(pred, target).item() == pytest.approx(0.85, abs=1e-12)
     # predicting -target is worse than the mean: resid = 2*target, Var(2t) = 4 Var(t) -> 1 - 4 = -3
     assert explained_variance(-target, target).item() == pytest.approx(-3.0, abs=1e-12)
+    # Var(target) exactly 1 is an ordinary target: [-1, 1] (population variance 1), pred [-0.5, 0.5] leaves
+    # resid [-0.5, 0.5], Var 0.25 -> 0.75.
+    target = torch.tensor([-1.0, 1.0], dtype=F64)
+    assert explained_variance(torch.tensor([-0.5, 0.5], dtype=F64), target).item() == pytest.approx(0.75, abs=1e-12)
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0, 0.1, 7.77, -3.3])
@@ -599,5 +640,11 @@ def test_masked_explained_variance_is_that_of_the_valid_tokens():
     const = torch.where(mask, torch.tensor(0.1), torch.randn(4, 6, generator=g))
     assert math.isnan(explained_variance(pred, const, mask).item())
     assert math.isnan(explained_variance(pred, target, torch.zeros_like(mask)).item())
+    # No valid token is NaN of the target's dtype, without computing (and warning about) the variance of nothing:
+    # the diagnostic runs every update, a warning there would repeat all run long.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        none_valid = explained_variance(pred.double(), target.double(), torch.zeros_like(mask))
+    assert none_valid.dtype == F64 and none_valid.shape == () and math.isnan(none_valid.item())
     with pytest.raises(ValueError, match="shape"):
         explained_variance(pred, target, mask.T)
