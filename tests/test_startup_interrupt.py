@@ -31,11 +31,19 @@ TRAIN = ["train", "--env", "CartPole-v1", "--total-timesteps", "100000000", "--q
 DELAYS = [0.0, 0.01, 0.03, 0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 0.9, 1.2, 1.5]
 
 
+def _default_sigint() -> None:
+    # A child inherits an ignored SIGINT (a suite started in the background by a non-interactive shell has it
+    # ignored, as POSIX says for `cmd &`), and Python then leaves it ignored: each child starts as a terminal would
+    # start it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(cmd: list[str], delay: float, cwd: Path) -> tuple[int, str]:
     """Start ``cmd`` under ``-X importtime``, send SIGINT ``delay`` s after ppokit.runtime.interrupts is loaded; (exit code,
     stderr without the import-time lines)."""
     proc = subprocess.Popen([sys.executable, "-X", "importtime", *cmd], cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=_default_sigint)
     started = threading.Event()
     lines: list[str] = []
 
@@ -102,4 +110,4 @@ def test_only_ppokits_own_command_line_defers_ctrl_c(orig_argv, expected):
 def test_importing_ppokit_leaves_sigint_alone(tmp_path):
     code = ("import signal, ppokit, ppokit.cli; "
             "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, timeout=120, preexec_fn=_default_sigint)
