@@ -98,27 +98,13 @@ def _peak_mib() -> float:
 def build_llama(size: str, seed: int):
     """``(model, tokenizer)``: a ``LlamaForCausalLM`` of ``LLAMAS[size]`` over the demo's characters plus filler
     tokens up to the vocabulary size, initialised from ``seed`` (no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from ppokit.lm import demo
-    from ppokit.lm.tiny import build_char_tokenizer
+    from ppokit.lm.tiny import build_char_tokenizer, build_tiny_llama
 
     layers, width, heads, mlp, vocab = LLAMAS[size]
     tok = build_char_tokenizer(demo.ALPHABET)
     tok.add_tokens([f"<t{i}>" for i in range(vocab - len(tok))])
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=width, intermediate_size=mlp, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
-                         tie_word_embeddings=False, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(state)
-    gen = model.generation_config
-    gen.pad_token_id, gen.eos_token_id, gen.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.eos_token_id
-    gen.do_sample, gen.top_k, gen.top_p, gen.temperature = True, 0, 1.0, 1.0
+    model = build_tiny_llama(tok, hidden=width, layers=layers, heads=heads, mlp=mlp, positions=64, seed=seed)
     return model, tok
 
 

@@ -92,13 +92,19 @@ def build_tiny_model(tokenizer, size: str | TinySize = "tiny", *, seed: int = 0)
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    return _seeded_model(GPT2LMHeadModel, config, tokenizer, seed)
+
+
+def _seeded_model(model_class, config, tokenizer, seed: int):
+    """``model_class(config)`` initialised from ``seed`` without touching the global RNG stream, set to plain
+    ancestral sampling with ``tokenizer``'s special tokens unless the caller asks otherwise (top-k/top-p make the
+    sampled KL biased; trl#235)."""
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = GPT2LMHeadModel(config)
+        model = model_class(config)
     finally:
         torch.random.set_rng_state(state)
-    # Plain ancestral sampling unless the caller asks otherwise (top-k/top-p make the sampled KL biased; trl#235).
     gen = model.generation_config
     gen.pad_token_id, gen.eos_token_id, gen.bos_token_id = (tokenizer.pad_token_id, tokenizer.eos_token_id,
                                                             tokenizer.eos_token_id)
@@ -118,17 +124,7 @@ def build_tiny_llama(tokenizer, *, hidden: int = 32, layers: int = 2, heads: int
                          max_position_embeddings=positions, tie_word_embeddings=False,
                          bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(state)
-    gen = model.generation_config
-    gen.pad_token_id, gen.eos_token_id, gen.bos_token_id = (tokenizer.pad_token_id, tokenizer.eos_token_id,
-                                                            tokenizer.eos_token_id)
-    gen.do_sample, gen.top_k, gen.top_p, gen.temperature = True, 0, 1.0, 1.0
-    return model
+    return _seeded_model(LlamaForCausalLM, config, tokenizer, seed)
 
 
 def build_tiny(alphabet: str = DEFAULT_ALPHABET, size: str | TinySize = "tiny", *, seed: int = 0,
