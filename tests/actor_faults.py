@@ -1,10 +1,12 @@
-"""A test-only env for the actor fault tests (test_actors.py): CartPole whose process raises once, at the first
-step past ``raise_after`` steps, the first time any process gets there (``flag``, a file, records that it did).
-Imported by rollout workers through the env id ``actor_faults:RaisingCartPole-v0``."""
+"""Test-only envs for the actor fault tests (test_actors.py, test_ray_actors.py), imported by rollout workers through
+their env ids: ``actor_faults:RaisingCartPole-v0``, CartPole whose process raises once, at the first step past
+``raise_after`` steps, the first time any process gets there (``flag``, a file, records that it did); and
+``actor_faults:SlowStartCartPole-v0``, whose actors take ``delay_s`` to start."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import gymnasium as gym
 
@@ -25,3 +27,24 @@ class RaisingCartPole(gym.Wrapper):
 
 if "RaisingCartPole-v0" not in gym.registry:
     gym.register("RaisingCartPole-v0", entry_point=RaisingCartPole)
+
+
+_SLEPT: list[bool] = []  # this process slept already (once per process, however many envs it builds)
+
+
+class SlowStartCartPole(gym.Wrapper):
+    """CartPole whose first build in every process but the first to build one (the learner, which records its pid in
+    ``flag``) sleeps ``delay_s``: the rollout actors stay in their ``__init__`` that long."""
+
+    def __init__(self, flag: str, delay_s: float):
+        super().__init__(gym.make("CartPole-v1"))
+        if not os.path.exists(flag):
+            with open(flag, "w") as f:
+                f.write(str(os.getpid()))
+        elif open(flag).read() != str(os.getpid()) and not _SLEPT:
+            _SLEPT.append(True)
+            time.sleep(delay_s)
+
+
+if "SlowStartCartPole-v0" not in gym.registry:
+    gym.register("SlowStartCartPole-v0", entry_point=SlowStartCartPole)

@@ -145,6 +145,28 @@ def test_a_ray_actor_killed_mid_run_is_named_and_replaced_and_the_run_finishes(t
 
 
 @needs_ray
+def test_a_ray_actor_killed_while_still_starting_is_named_by_its_pid(tmp_path, mark):
+    # Killed in its __init__ (building its envs), before it answered its pid: Ray's death cause names the process.
+    run_dir, flag = tmp_path / "run", tmp_path / "learner_pid"
+    proc = _train(run_dir, mark, "--total-timesteps", "2048", "--env", "actor_faults:SlowStartCartPole-v0",
+                  "--env-kwargs", f'{{"flag": "{flag}", "delay_s": 8}}')
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    victim = None
+    while victim is None and proc.poll() is None and time.monotonic() < deadline:
+        starting = [pid for pid, cmd in _marked(mark).items() if cmd.startswith("ray::_RayWorker.__init__")]
+        if starting:
+            victim = starting[0]
+            os.kill(victim, signal.SIGKILL)
+        time.sleep(0.1)
+    assert victim is not None, "no Ray actor was seen in its __init__"
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-2000:]
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {victim}) died:" in line]
+    assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
+    assert not _none_left(mark), "a process of the Ray run outlived it"
+
+
+@needs_ray
 def test_a_ray_actor_that_raises_is_named_with_its_exception_and_replaced(tmp_path, mark):
     run_dir, flag = tmp_path / "run", tmp_path / "raised"
     proc = _train(run_dir, mark, "--total-timesteps", "4096", "--env", "actor_faults:RaisingCartPole-v0",

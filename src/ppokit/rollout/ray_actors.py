@@ -16,6 +16,7 @@ and replaced, as a process worker is. Every node needs ppokit and the env's pack
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -83,6 +84,15 @@ def _one_line(ray: Any, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
 
 
+def _dead_pid(ray: Any, exc: BaseException) -> int | None:
+    """The pid Ray's ``ActorDiedError`` names for a worker process that died (a ``pid: N`` line of its message, which
+    Ray writes from the actor's death cause), else None."""
+    if not isinstance(exc, ray.exceptions.ActorDiedError):
+        return None
+    found = re.search(r"^\s*pid: (\d+)\s*$", str(exc), re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
 class RayActorPool(ActorPool):
     """``ActorPool`` over Ray actors (see the module docstring)."""
 
@@ -92,6 +102,7 @@ class RayActorPool(ActorPool):
         self.actors: dict[int, Any] = {}  # slot -> actor handle
         self.pending: dict[Any, int] = {}  # in-flight chunk request -> slot
         self.pid_refs: dict[int, Any] = {}  # slot -> ObjectRef of its actor's pid (asked at its start)
+        self.slot_pids: dict[int, int] = {}  # slot -> its actor's pid, once answered (kept: Ray is not asked again)
         self.actor_pids: list[int] = []  # every actor process seen, replaced ones included
         self._published: Any = None  # ObjectRef of (version, weights, obs statistics)
         self._connected = False  # this pool called ray.init (and so calls ray.shutdown)
@@ -132,10 +143,13 @@ class RayActorPool(ActorPool):
         actor = _remote(self.ray).remote(slot, self.config, seed, self._acting_type())
         self.actors[slot] = actor
         self.pid_refs[slot] = actor.pid.remote()  # answered before any chunk (an actor runs its calls in order)
+        self.slot_pids.pop(slot, None)
         self.pending[actor.chunk_with.remote(self._published)] = slot
 
     def _pid(self, slot: int) -> int | None:
         """The pid of ``slot``'s actor once it answered, else None (it died first, or is still starting)."""
+        if slot in self.slot_pids:
+            return self.slot_pids[slot]
         ref = self.pid_refs.get(slot)
         if ref is None:
             return None
@@ -146,9 +160,13 @@ class RayActorPool(ActorPool):
             pid = int(self.ray.get(ref))
         except self.ray.exceptions.RayError:
             return None
+        self._seen(slot, pid)
+        return pid
+
+    def _seen(self, slot: int, pid: int) -> None:
+        self.slot_pids[slot] = pid
         if pid not in self.actor_pids:
             self.actor_pids.append(pid)
-        return pid
 
     def _current(self, slot: int, pid: int | None) -> bool:
         return slot in self.actors and self._pid(slot) == pid
@@ -176,6 +194,8 @@ class RayActorPool(ActorPool):
             try:
                 item = ray.get(ref)
             except ray.exceptions.RayError as exc:  # the actor raised, or its process or node was lost
+                if pid is None and (pid := _dead_pid(ray, exc)) is not None:
+                    self._seen(slot, pid)  # killed before it answered its pid (still in __init__): Ray names it
                 return {"kind": "error", "slot": slot, "pid": pid, "message": _one_line(ray, exc)}
             self.pending[self.actors[slot].chunk_with.remote(self._published)] = slot
             return item
