@@ -1,7 +1,8 @@
 """Test-only envs for the actor fault tests (test_actors.py, test_ray_actors.py), imported by rollout workers through
 their env ids: ``actor_faults:RaisingCartPole-v0``, CartPole whose process raises once, at the first step past
 ``raise_after`` steps, the first time any process gets there (``flag``, a file, records that it did); and
-``actor_faults:SlowStartCartPole-v0``, whose actors take ``delay_s`` to start."""
+``actor_faults:SlowStartCartPole-v0``, whose actors take ``delay_s`` to start; and
+``actor_faults:HangingCartPole-v0``, whose step past ``hang_after`` steps never returns, once (``flag``)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,25 @@ class SlowStartCartPole(gym.Wrapper):
 
 if "SlowStartCartPole-v0" not in gym.registry:
     gym.register("SlowStartCartPole-v0", entry_point=SlowStartCartPole)
+
+
+class HangingCartPole(gym.Wrapper):
+    """CartPole whose step past ``hang_after`` steps sleeps for good, the first time any process gets there (the
+    process writes its pid to ``flag`` first)."""
+
+    def __init__(self, flag: str, hang_after: int):
+        super().__init__(gym.make("CartPole-v1"))
+        self.flag, self.hang_after, self.steps = flag, hang_after, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > self.hang_after and not os.path.exists(self.flag):
+            with open(self.flag, "w") as f:
+                f.write(str(os.getpid()))
+            while True:
+                time.sleep(3600)
+        return self.env.step(action)
+
+
+if "HangingCartPole-v0" not in gym.registry:
+    gym.register("HangingCartPole-v0", entry_point=HangingCartPole)

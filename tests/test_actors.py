@@ -228,6 +228,27 @@ def test_a_worker_that_raises_in_its_third_chunk_is_named_replaced_and_the_run_f
     assert _gone([pid], 1.0)
 
 
+def test_a_worker_whose_env_hangs_past_env_timeout_is_named_replaced_and_the_run_finishes(tmp_path, capfd):
+    from ppokit.training.trainer import train
+
+    sys.path.insert(0, str(Path(__file__).parent))  # the workers import actor_faults as the env id says
+    flag = tmp_path / "hung"
+    cfg = load_preset("cartpole", PPOConfig())
+    cfg.env_id = "actor_faults:HangingCartPole-v0"
+    cfg.env_kwargs = {"flag": str(flag), "hang_after": 2 * cfg.num_steps}
+    # 40k steps (~10 s here, ~4k steps a second): the other worker alone must not end the run before the limit.
+    cfg.actors, cfg.total_timesteps, cfg.tensorboard, cfg.env_timeout = 2, 40960, False, 2.0
+    t0 = time.monotonic()
+    run = train(cfg, run_dir=tmp_path / "run", console_enabled=False)
+    assert flag.exists() and run.global_step >= 40960
+    pid = int(flag.read_text())
+    lines = [line for line in capfd.readouterr().err.splitlines() if f"(pid {pid}) died" in line]
+    assert len(lines) == 1 and "did not return within 2 s" in lines[0] and "replaced by" in lines[0], lines
+    assert run.metrics[-1][S.ACTOR_REPLACEMENTS] == 1.0
+    assert _gone([pid], 1.0)
+    assert time.monotonic() - t0 < 100  # not the 3600 s sleep: the hang was cut at ~2 s
+
+
 def _wait_for(pred, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

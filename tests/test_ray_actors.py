@@ -170,13 +170,50 @@ def test_a_ray_actor_killed_while_still_starting_is_named_by_its_pid(tmp_path, m
 def test_a_ray_actor_that_raises_is_named_with_its_exception_and_replaced(tmp_path, mark):
     run_dir, flag = tmp_path / "run", tmp_path / "raised"
     proc = _train(run_dir, mark, "--total-timesteps", "4096", "--env", "actor_faults:RaisingCartPole-v0",
-                  "--env-kwargs", f'{{"flag": "{flag}", "raise_after": 256}}')
+                  "--env-kwargs", f'{{"flag": "{flag}", "raise_after": 64}}')
     out, err = _finish(proc)
     assert proc.returncode == 0, err[-2000:]
     pid = int(flag.read_text())
     named = [line for line in err.splitlines() if f"(Ray actor, pid {pid}) died:" in line]
     assert len(named) == 1 and "RuntimeError: injected fault in the third chunk" in named[0], err[-2000:]
     assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 1.0
+    assert not _none_left(mark), "a process of the Ray run outlived it"
+
+
+@needs_ray
+def test_a_ray_actor_whose_env_hangs_past_env_timeout_is_named_and_replaced(tmp_path, mark):
+    run_dir, flag = tmp_path / "run", tmp_path / "hung"
+    proc = _train(run_dir, mark, "--total-timesteps", "40960", "--env", "actor_faults:HangingCartPole-v0",
+                  "--env-kwargs", f'{{"flag": "{flag}", "hang_after": 128}}', "--env-timeout", "2")
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-2000:]
+    pid = int(flag.read_text())
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {pid}) died:" in line]
+    assert len(named) == 1 and "did not return within 2 s" in named[0], err[-2000:]
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 1.0
+    assert not _none_left(mark), "a process of the Ray run outlived it"
+
+
+@needs_ray
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_and_sigterm_stop_a_ray_run_in_bounded_time_with_a_checkpoint(tmp_path, mark, sig):
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, mark, "--total-timesteps", "2000000", "--save-every", "5")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not ((run_dir / "checkpoint.pt").exists() and len(_actors(mark)) == 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the Ray run did not start"
+        time.sleep(0.2)
+    # Ctrl-C at a terminal reaches the whole process group (the learner started its Ray head in it).
+    os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+    t0 = time.monotonic()
+    out, err = _finish(proc)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, err[-2000:]
+    assert took < 30, took
+    import torch
+
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert state["update"] == len(_rows(run_dir))  # the checkpoint holds the last logged update
     assert not _none_left(mark), "a process of the Ray run outlived it"
 
 

@@ -28,8 +28,9 @@ Observation normalization stays one set of statistics, the learner's: each worke
 statistics and ships the moments of the observations it added (``normalize.split_moments``), which the learner
 merges in (``merge_moments``), dropped chunks included. Reward scaling is per env, hence per worker.
 
-Faults: a worker that raises reports it and exits; one that dies otherwise (kill -9) is noticed within
-``POLL_S``; either is named in one line on stderr and replaced by a fresh worker (new env seeds), counted in
+Faults: a worker that raises reports it and exits, an env call of its that hangs past ``env_timeout`` included
+(each worker runs the synchronous loop's watchdog, ``envs.watchdog``); one that dies otherwise (kill -9) is
+noticed within ``POLL_S``; either is named in one line on stderr and replaced by a fresh worker (new env seeds), counted in
 ``diag/actor_replacements``. Workers ignore Ctrl-C (the learner finishes its update and stops them) and die with
 the learner (``die_with_parent``). Not supported yet, refused by the config: recurrent policies, capture_video,
 a CUDA learner; by ``build``: data-parallel ranks and a custom env or policy factory (a worker must rebuild them).
@@ -51,7 +52,7 @@ from ppokit.core.batch import flatten_steps, tree_copy_, tree_map
 from ppokit.core.schema import PERF_PHASES
 from ppokit.core.vtrace import vtrace
 from ppokit.envs.errors import EnvError, env_failure
-from ppokit.envs.watchdog import NO_WATCHDOG, die_with_parent
+from ppokit.envs.watchdog import EnvWatchdog, die_with_parent
 from ppokit.rollout.buffer import ROLLOUT_FIELDS, RolloutBuffer
 from ppokit.rollout.collector import Collector
 from ppokit.rollout.normalize import merge_moments, split_moments
@@ -220,7 +221,11 @@ class RolloutWorker:
         self.collector = Collector(envs, policy, acting, num_steps=cfg.num_steps, device=torch.device("cpu"),
                                    env_id=cfg.env_id, obs_norm=self.obs_norm, reward_scaler=reward_scaler,
                                    perf=dict.fromkeys(PERF_PHASES, 0.0), fail=fail)
-        self.collector.watchdog = NO_WATCHDOG
+        # env_timeout bounds each env call here as in the synchronous loop (a hung call raises EnvTimeout, reported
+        # like any error: the worker is named and replaced). Its SIGALRM needs the main thread, where a process
+        # worker and a Ray actor (a synchronous actor runs its calls there, checked on Ray 2.60) both run this.
+        self.collector.watchdog = EnvWatchdog(cfg.env_timeout)
+        self.collector.watchdog.start()
         self.collector.reset(seed)
         envs.action_space.seed(seed)
         self.names = [f.name for f in ROLLOUT_FIELDS.fields() if self.collector.buffer.__dict__[f.name] is not None]
@@ -243,7 +248,10 @@ class RolloutWorker:
                 "life_episodes": list(collector.life_episodes), "nonfinite": nonfinite, "moments": moments}
 
     def close(self) -> None:
-        self.envs.close()
+        try:
+            self.envs.close()
+        finally:
+            self.collector.watchdog.stop()
 
 
 # ---------------------------------------------------------------------------------------- the learner's side

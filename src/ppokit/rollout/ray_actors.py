@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
 from typing import Any
 
 import torch
@@ -84,6 +86,19 @@ def _one_line(ray: Any, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
 
 
+def _signal_handlers() -> dict[int, Any]:
+    """SIGINT's and SIGTERM's Python handlers (none off the main thread, where they cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
 def _dead_pid(ray: Any, exc: BaseException) -> int | None:
     """The pid Ray's ``ActorDiedError`` names for a worker process that died (a ``pid: N`` line of its message, which
     Ray writes from the actor's death cause), else None."""
@@ -116,9 +131,13 @@ class RayActorPool(ActorPool):
             address = self.config.ray_address
             local = address == "local"  # Ray's own "local": a new one-machine Ray, never an existing cluster's
             # num_cpus: K actors of one CPU each fit even where K exceeds the cores (they then share them).
+            # ray.init installs its own SIGTERM handler (sys.exit(15)), which would end the run without its
+            # checkpoint and exit code 130: the run's handlers are put back (main thread only, as Ray's is).
+            handlers = _signal_handlers()
             ray.init(address=address, include_dashboard=False, configure_logging=False,
                      num_cpus=max(os.cpu_count() or 1, self.config.actors) if local else None,
                      _node_ip_address="127.0.0.1" if local else None)
+            _restore(handlers)
             self._connected = True
         state = {k: v.detach().to("cpu", copy=True) for k, v in weights.state_dict().items()}
         stats = self.obs_norm.state_dict() if self.obs_norm is not None else None
