@@ -26,14 +26,16 @@ dataclasses, ``torch.Size``, dtypes and paths and refuses every other global, an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import pickle
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -113,7 +115,9 @@ def save_shards(directory: Path, modules: dict[str, nn.Module], optimizer: torch
         directory.mkdir(parents=True, exist_ok=True)
     try:
         with dist._guard("writing a sharded checkpoint"):
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+            with _one_process_quiet():
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                         no_dist=not dist.active)
         if dist.is_main:
             os.rename(tmp, final)
             _fsync_dir(directory)
@@ -122,6 +126,14 @@ def save_shards(directory: Path, modules: dict[str, nn.Module], optimizer: torch
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final.name
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP warns at every save and load in one process that it assumes one process: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _fsync_dir(path: Path) -> None:
@@ -204,16 +216,19 @@ def load_shards(path: Path, modules: dict[str, nn.Module], optimizer: torch.opti
     number of ranks (every rank must call it). ``CheckpointError`` in one line for a missing, damaged or foreign
     checkpoint, or one holding NaN/Inf."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: no sharded checkpoint there (its .metadata is missing)")
     state = _state(modules, optimizer)
     try:
-        dcp.load(state, storage_reader=_reader(path), planner=_planner(),
-                 no_dist=not (dist.active and torch.distributed.is_initialized()))
-    except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure; one line names the file
-        why = exc.failures if hasattr(exc, "failures") else None
+        with _one_process_quiet():
+            dcp.load(state, storage_reader=_reader(path), planner=_planner(),
+                     no_dist=not (dist.active and torch.distributed.is_initialized()))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line names the file
+        # DCP's CheckpointException (a BaseException) holds each rank's (exception, stack).
+        why = exc.failures if isinstance(exc, CheckpointException) else None
         first = next(iter(why.values())) if why else exc
         first = first[0] if isinstance(first, tuple) else first  # DCP keeps (exception, stack) per rank
         raise CheckpointError(f"{path} cannot be loaded into this run's models: {one_line(first)}") from None
