@@ -121,6 +121,50 @@ def test_a_forged_non_tensor_entry_runs_no_code(tmp_path):
     assert not made.exists()
 
 
+FULL_DISK_SCRIPT = r'''
+import resource, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from test_lm_sharded_checkpoint import _fresh, _tiny_trained
+from ppokit.lm.sharded_checkpoint import save_shards
+from ppokit.runtime import distributed
+from ppokit.runtime.checkpoint import CheckpointError
+run, dist = Path(sys.argv[1]), distributed.current()
+tok, model, opt = _tiny_trained()
+first = save_shards(run, {"policy": model}, opt, 1, dist)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+try:
+    save_shards(run, {"policy": model}, opt, 2, dist)
+except CheckpointError as exc:
+    print("ERROR", exc)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print("LEFT", sorted(p.name for p in run.iterdir()), "FIRST", first)
+'''
+
+
+def test_a_failed_shards_write_is_one_line_and_leaves_the_previous_shards(tmp_path):
+    """A write that fails midway (a file size limit: EFBIG, as ENOSPC on a full disk) raises CheckpointError in
+    one line, removes its temp directory and leaves the previous shards directory whole."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    from ppokit.lm.sharded_checkpoint import load_shards
+    from ppokit.runtime import distributed
+
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(Path(__file__).parent)],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    error = [line for line in proc.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(error) == 1 and "could not write the sharded checkpoint" in error[0], proc.stdout
+    assert "File too large" in error[0] and "previous checkpoint stays" in error[0]
+    first = proc.stdout.rsplit("FIRST ", 1)[1].strip()
+    assert f"LEFT ['{first}']" in proc.stdout  # no temp directory, no second shards directory
+    tok, _, _ = _tiny_trained()
+    model, opt = _fresh(tok)
+    load_shards(tmp_path / "run" / first, {"policy": model}, opt, distributed.current())
+
+
 def test_claim_removes_a_killed_shards_write_and_overwrite_removes_the_shards(tmp_path):
     from ppokit.runtime.rundir import claim
 

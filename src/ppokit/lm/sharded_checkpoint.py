@@ -104,6 +104,7 @@ def save_shards(directory: Path, modules: dict[str, nn.Module], optimizer: torch
     the name returned (every rank must call it). Non-finite weights or moments on any rank refuse the save on all
     of them (``CheckpointError``), so a diverged run cannot replace its last good checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     state = _state(modules, optimizer)
     if dist.any(not _local_finite(state)):
@@ -114,10 +115,15 @@ def save_shards(directory: Path, modules: dict[str, nn.Module], optimizer: torch
     if dist.is_main:
         directory.mkdir(parents=True, exist_ok=True)
     try:
-        with dist._guard("writing a sharded checkpoint"):
-            with _one_process_quiet():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                         no_dist=not dist.active)
+        failure = None
+        with dist._guard("writing a sharded checkpoint"), _one_process_quiet():  # the guard: a rank lost
+            try:
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not dist.active)
+            except CheckpointException as exc:  # a full disk, a read-only directory: DCP raises it on every rank
+                failure = _first_failure(exc)
+        if failure is not None:
+            raise CheckpointError(f"could not write the sharded checkpoint {tmp}: {failure}; the previous "
+                                  "checkpoint stays")
         if dist.is_main:
             os.rename(tmp, final)
             _fsync_dir(directory)
@@ -126,6 +132,14 @@ def save_shards(directory: Path, modules: dict[str, nn.Module], optimizer: torch
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final.name
+
+
+def _first_failure(exc: BaseException) -> str:
+    """One line for a DCP failure: its ``CheckpointException`` (a BaseException) holds each failed rank's
+    ``(exception, stack)``; the first rank's exception is the cause."""
+    failures = getattr(exc, "failures", None)
+    first = next(iter(failures.values())) if isinstance(failures, dict) and failures else exc
+    return one_line(first[0] if isinstance(first, tuple) else first)
 
 
 @contextlib.contextmanager
@@ -227,11 +241,7 @@ def load_shards(path: Path, modules: dict[str, nn.Module], optimizer: torch.opti
             dcp.load(state, storage_reader=_reader(path), planner=_planner(),
                      no_dist=not (dist.active and torch.distributed.is_initialized()))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line names the file
-        # DCP's CheckpointException (a BaseException) holds each rank's (exception, stack).
-        why = exc.failures if isinstance(exc, CheckpointException) else None
-        first = next(iter(why.values())) if why else exc
-        first = first[0] if isinstance(first, tuple) else first  # DCP keeps (exception, stack) per rank
-        raise CheckpointError(f"{path} cannot be loaded into this run's models: {one_line(first)}") from None
+        raise CheckpointError(f"{path} cannot be loaded into this run's models: {_first_failure(exc)}") from None
     if dist.any(not _local_finite(state)):
         raise CheckpointError(f"{path} holds NaN or Inf in the policy's or the optimizer's state; refusing to "
                               "resume a diverged state")
