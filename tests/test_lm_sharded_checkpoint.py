@@ -381,3 +381,16 @@ def test_kill_9_of_the_launch_at_any_moment_of_a_save_keeps_the_previous_checkpo
     model = AutoModelForCausalLM.from_pretrained(run / "policy")
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+@pytest.mark.slow
+def test_bench_lm_checkpoint_smoke_writes_half_per_rank(tmp_path):
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lm_checkpoint.py"
+    proc = subprocess.run([sys.executable, str(bench), "--smoke"], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("sharded ", "consolidated "))]
+    files = {(r[0], int(r[1])): float(r[4]) for r in rows}
+    assert files[("sharded", 0)] + files[("sharded", 1)] == pytest.approx(files[("consolidated", 0)], rel=0.15)
+    assert files[("sharded", 0)] < 0.6 * files[("consolidated", 0)] and "resharded into whole tensors" in proc.stdout
