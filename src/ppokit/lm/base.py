@@ -546,7 +546,12 @@ class LMTrainer(LMRunLifecycle):
         streams = state.get("rank_sample_rng")  # a sharded run's: every rank's sampling stream
         if trainer.dist.active and isinstance(streams, list) and len(streams) == trainer.dist.world_size:
             # The same number of ranks: each goes on with its own stream, as if the run had never stopped.
-            trainer._sample_state = streams[trainer.dist.rank].clone()
+            mine = streams[trainer.dist.rank]
+            if not (isinstance(mine, Tensor) and mine.dtype == torch.uint8
+                    and mine.shape == trainer._sample_state.shape):
+                raise CheckpointError(f"{directory / CHECKPOINT} cannot be resumed: its rank_sample_rng entry is "
+                                      "not a random generator's state")
+            trainer._sample_state = mine.clone()
             if not trainer.dist.is_main:  # the CUDA stream of a rank > 0 is not gathered: seeded by rank again
                 trainer._cuda_sample_state = None
         elif not trainer.dist.is_main:
