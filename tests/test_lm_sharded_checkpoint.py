@@ -394,3 +394,42 @@ def test_bench_lm_checkpoint_smoke_writes_half_per_rank(tmp_path):
     files = {(r[0], int(r[1])): float(r[4]) for r in rows}
     assert files[("sharded", 0)] + files[("sharded", 1)] == pytest.approx(files[("consolidated", 0)], rel=0.15)
     assert files[("sharded", 0)] < 0.6 * files[("consolidated", 0)] and "resharded into whole tensors" in proc.stdout
+
+
+@pytest.mark.slow
+def test_lm_export_consolidates_the_latest_shards_offline_into_what_the_final_save_exported(tmp_path,
+                                                                                          uninterrupted):
+    """``ppokit lm export RUN OUT --model START`` in one process: OUT loads with from_pretrained and gives the
+    logits of the policy/ that the run's final save gathered from the ranks (the same iteration's weights), bit for
+    bit. An existing OUT and a consolidated (one-process) run are one error line, exit 2."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ppokit.lm.tiny import build_char_tokenizer, build_tiny_llama
+
+    start = tmp_path / "start"
+    tok = build_char_tokenizer("ABX:", pad_is_eos=True)
+    build_tiny_llama(tok, seed=0).save_pretrained(start)
+    tok.save_pretrained(start)
+    run, out = uninterrupted / "run", tmp_path / "out"
+
+    def export(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ppokit", "lm", "export", *args], env=_env(tmp_path),
+                              capture_output=True, text=True, timeout=TIMEOUT)
+
+    proc = export(str(run), str(out), "--model", str(start))
+    assert proc.returncode == 0 and "iteration 6" in proc.stdout, proc.stderr[-4000:]
+    ids = torch.tensor([[1, 2, 3, 4, 2]])
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits
+        gathered = AutoModelForCausalLM.from_pretrained(run / "policy")(input_ids=ids).logits
+    assert torch.equal(ours, gathered)
+    again = export(str(run), str(out), "--model", str(start))
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "exists" in again.stderr, again.stderr
+    consolidated = tmp_path / "one"
+    (tmp_path / "script.py").write_text(SAVE_SCRIPT)
+    subprocess.run([sys.executable, str(tmp_path / "script.py"), "grpo", str(consolidated), "train"],
+                   env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, check=True)
+    refused = export(str(consolidated), str(tmp_path / "out2"), "--model", str(start))
+    assert refused.returncode == 2 and "consolidated checkpoint" in refused.stderr, refused.stderr
+    assert refused.stderr.count("\n") == 1 and not (tmp_path / "out2").exists()

@@ -43,7 +43,8 @@ from torch import nn
 from ppokit.runtime.checkpoint import CheckpointError, one_line
 from ppokit.runtime.rundir import SHARDS_PREFIX
 
-__all__ = ["save_shards", "load_shards", "remove_old_shards", "full_model_state", "is_shards_name", "gather_tensor"]
+__all__ = ["save_shards", "load_shards", "remove_old_shards", "full_model_state", "is_shards_name", "gather_tensor",
+           "export_policy"]
 
 _NAME = re.compile(rf"{re.escape(SHARDS_PREFIX)}\d+-[0-9a-f]{{32}}")
 
@@ -225,17 +226,18 @@ def _planner():
     return SafePlanner()
 
 
-def load_shards(path: Path, modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer, dist) -> None:
+def load_shards(path: Path, modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer | None, dist) -> None:
     """The checkpoint ``save_shards`` wrote at ``path`` into ``modules`` and ``optimizer``, sharded or whole, on any
-    number of ranks (every rank must call it). ``CheckpointError`` in one line for a missing, damaged or foreign
-    checkpoint, or one holding NaN/Inf."""
+    number of ranks (every rank must call it). ``optimizer`` None: the weights of ``modules`` alone (the offline
+    export; other models in the checkpoint are left out). ``CheckpointError`` in one line for a missing, damaged or
+    foreign checkpoint, or one holding NaN/Inf."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
 
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: no sharded checkpoint there (its .metadata is missing)")
-    state = _state(modules, optimizer)
+    state = _state(modules, optimizer) if optimizer is not None else {"model": get_model_state_dict(_container(modules))}
     try:
         with _one_process_quiet():
             dcp.load(state, storage_reader=_reader(path), planner=_planner(),
@@ -245,8 +247,42 @@ def load_shards(path: Path, modules: dict[str, nn.Module], optimizer: torch.opti
     if dist.any(not _local_finite(state)):
         raise CheckpointError(f"{path} holds NaN or Inf in the policy's or the optimizer's state; refusing to "
                               "resume a diverged state")
-    set_state_dict(_container(modules), optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    if optimizer is None:
+        set_model_state_dict(_container(modules), state["model"])
+    else:
+        set_state_dict(_container(modules), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+
+def export_policy(run_dir: Path, model: nn.Module, tokenizer: Any, out: Path) -> int:
+    """The policy of a sharded run's latest checkpoint, consolidated offline in this process: its weights loaded
+    into ``model`` (the run's starting model: the same architecture) and written to ``out`` with
+    ``save_pretrained`` (and the tokenizer's), which ``from_pretrained`` loads. For a run killed between its final
+    saves, whose ``policy/`` is older than its shards. Returns the checkpoint's iteration."""
+    from ppokit.lm.durable import CHECKPOINT
+    from ppokit.runtime.checkpoint import load_checkpoint
+    from ppokit.runtime.distributed import LOCAL
+
+    state = load_checkpoint(run_dir / CHECKPOINT)
+    name = state.get("shards")
+    if name is None:
+        raise CheckpointError(f"{run_dir / CHECKPOINT} is a consolidated checkpoint (not a sharded fsdp run's): "
+                              f"its policy/ is the export already")
+    if not is_shards_name(name):
+        raise CheckpointError(f"{run_dir / CHECKPOINT} names no sharded checkpoint directory ({name!r}); it was "
+                              "damaged or not written by ppokit")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; give a new directory to export into")
+    load_shards(run_dir / name, {"policy": model}, None, LOCAL)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        model.save_pretrained(tmp)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        os.rename(tmp, out)  # whole or not at all
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return int(state["iteration"])
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
