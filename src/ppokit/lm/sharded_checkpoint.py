@@ -16,6 +16,9 @@ any moment leaves the previous ``trainer_state.pt`` naming a directory that is s
 ``.shards-*.tmp`` is removed by the next claim of the run dir (``rundir.claim``), an orphaned ``shards-*`` (renamed,
 not yet named) by the next save.
 
+Every rank writes into the run dir, so on several hosts it must be a filesystem they all see (NFS, Lustre), as
+DCP's ``FileSystemWriter`` assumes; one host's ranks (torchrun on one machine) share it anyway.
+
 Loading runs no code from the files. DCP's own reader unpickles ``.metadata`` with ``pickle.load`` and its default
 planner reads every non-tensor entry with ``torch.load(weights_only=False)`` (torch 2.13,
 ``filesystem.FileSystemReader.read_metadata``, ``default_planner.DefaultLoadPlanner.load_bytes``): both would run
@@ -83,9 +86,10 @@ def _token(dist) -> str:
     """A fresh random hex token, rank 0's on every rank (sent as bytes: no pickle; the global RNG untouched)."""
     raw = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8)
     if dist.active:
+        raw = raw.to(dist._comm_device())  # nccl sends CUDA tensors only
         with dist._guard("agreeing on a sharded checkpoint's name"):
             torch.distributed.broadcast(raw, src=0)
-    return bytes(raw.tolist()).hex()
+    return bytes(raw.cpu().tolist()).hex()
 
 
 def gather_tensor(t: torch.Tensor, dist) -> list[torch.Tensor]:
