@@ -1,11 +1,13 @@
 """Sharded checkpoints of an fsdp LM run (``ppokit.lm.sharded_checkpoint``, torch.distributed.checkpoint).
 
 In one process: the shards round-trip, and a forged ``.metadata`` or non-tensor entry, which DCP's own reader and
-planner would execute (checked here as the reference), is refused without running. Under torchrun (2 ranks, gloo on
+planner would execute (checked here as the reference), is refused without running; a write that fails midway is
+one line and keeps the previous shards. Under torchrun (2 ranks, gloo on
 127.0.0.1): each rank writes its own shard file; a resume on as many ranks gives the uninterrupted run's metrics and
 weights bit for bit; a one-process (consolidated) checkpoint resumes sharded on 2 ranks; and a kill -9 of the whole
 launch at each moment of a save leaves the previous checkpoint, which a resume finishes into the uninterrupted
-run, with no process left behind.
+run, with no process left behind; ``ppokit lm export`` consolidates the shards offline into the final save's
+policy/.
 """
 
 from __future__ import annotations
