@@ -183,9 +183,10 @@ if not dist.is_initialized() or dist.get_rank() == 0:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["grpo", "ppo"])
 def test_a_sharded_run_resumes_on_2_and_1_ranks_and_exports_for_from_pretrained(tmp_path, kind):
-    """fsdp on 2 ranks checkpoints the whole weights and AdamW moments (gathered from the shards); a resume on 2
-    ranks (re-sharded) and in 1 process (unsharded) holds exactly the saved weights and moments and trains on;
-    policy/ loads with from_pretrained in one process and gives the sharded model's logits."""
+    """fsdp on 2 ranks checkpoints each rank's shards of the weights and AdamW moments (lm.sharded_checkpoint); a
+    resume on 2 ranks and in 1 process (resharded by DCP into whole tensors) holds exactly the saved weights and
+    moments and trains on; policy/, gathered at the last save, loads with from_pretrained in one process and gives
+    the sharded model's logits."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import torch
     from transformers import AutoModelForCausalLM
@@ -200,7 +201,7 @@ def test_a_sharded_run_resumes_on_2_and_1_ranks_and_exports_for_from_pretrained(
     for world in (2, 1):
         resumed = json.loads((run / f"resume_{world}.json").read_text())
         assert resumed["iteration"] == 2 and resumed["after"] == 3, world
-        assert resumed["weights"] == saved["weights"], world  # bit-exact: whole tensors saved, re-cut on load
+        assert resumed["weights"] == saved["weights"], world  # bit-exact: the shards, resharded on load
         assert resumed["moments"] == saved["moments"], world
     model = AutoModelForCausalLM.from_pretrained(run / "policy")
     with torch.no_grad():

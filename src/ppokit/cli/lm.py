@@ -50,7 +50,9 @@ def add_parser(sub) -> None:
              "dpo": "DPO: preference pairs (prompt, chosen, rejected), no reward function, no sampling",
              "sft": "SFT: supervised fine-tuning on prompt/completion (or conversational) rows, completion loss only",
              "rm": "reward model: Bradley-Terry on preference pairs, saved to RUN_DIR/reward_model",
-             "demo": "the self-contained CPU demo: SFT a tiny GPT-2, then PPO, GRPO and DPO (under a minute)"}
+             "demo": "the self-contained CPU demo: SFT a tiny GPT-2, then PPO, GRPO and DPO (under a minute)",
+             "export": "the policy of an --fsdp run's latest sharded checkpoint as a save_pretrained directory, "
+                       "in one process (a run killed before its final save)"}
     for name, text in helps.items():
         q = lm_sub.add_parser(name, help=text, add_help=False)
         q.set_defaults(handler=run, lm_command=name)
@@ -85,10 +87,12 @@ def run(args: argparse.Namespace) -> int:
             run_demo(seed=full.seed, json_path=full.json, out_dir=full.out, quiet=full.quiet,
                      stages=("ppo", "grpo", "dpo", *(("rlhf",) if full.rlhf else ())))
             return 0
+        if command == "export":
+            return _export(full)
         from ppokit.cli.lm_train import train
 
         return train(command, full)
-    except (InputError, ConfigError, RunDirError, CheckpointError) as exc:
+    except (InputError, ConfigError, RunDirError, CheckpointError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (*RUN_FAILURES, SinkError) as exc:  # the reward, a prompt or a sink failed mid-run; the last
@@ -99,3 +103,30 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted; the run dir keeps its last checkpoint", file=sys.stderr)
         return 130
 
+
+
+def _export(full: argparse.Namespace) -> int:
+    """``ppokit lm export RUN_DIR OUT``: ``lm.sharded_checkpoint.export_policy`` with the run's starting model."""
+    import json
+    from pathlib import Path
+
+    from ppokit.cli.lm_inputs import load_model_dir
+    from ppokit.lm.sharded_checkpoint import export_policy
+
+    run_dir = Path(full.run_dir)
+    try:
+        meta = json.loads((run_dir / "lm_run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = {}
+    cli = meta.get("cli") if isinstance(meta, dict) else None
+    cli = cli if isinstance(cli, dict) else {}
+    model_dir = full.model or cli.get("model")
+    if not isinstance(model_dir, str):
+        raise InputError(f"--model: required (the model directory {run_dir} started from; its lm_run.json does "
+                         "not record one)")
+    if cli.get("lora"):
+        raise InputError(f"{run_dir}: a LoRA run is not sharded; its policy/ is the export")
+    model, tokenizer = load_model_dir(model_dir)
+    iteration = export_policy(run_dir, model, tokenizer, Path(full.out))
+    print(f"ppokit lm export: iteration {iteration} of {run_dir} -> {full.out} (from_pretrained reads it)")
+    return 0

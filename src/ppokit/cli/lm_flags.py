@@ -46,6 +46,14 @@ def full_parser(command: str) -> argparse.ArgumentParser:
                        help="also run the InstructGPT chain: a reward model trained on SFT preference pairs, then "
                             "PPO against it (about as long again)")
         return p
+    if command == "export":
+        p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir of an --fsdp run (its trainer_state.pt "
+                                                          "names its shards)")
+        p.add_argument("out", metavar="OUT", help="a new directory for the save_pretrained policy")
+        p.add_argument("--model", metavar="DIR", help="the model directory the run started from (its "
+                                                      "architecture and tokenizer; default: the run's, from "
+                                                      "lm_run.json)")
+        return p
     p.add_argument("--model", metavar="DIR", help="model directory (from_pretrained; no download); required, "
                                                   "except with --resume (default: the run's)")
     if command in ("dpo", "rm"):

@@ -34,15 +34,7 @@ from ppokit.lm.backends import make_generator
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
 from ppokit.lm.config import ConfigError, LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
-from ppokit.lm.fsdp import (
-    full,
-    full_optimizer_state,
-    full_state,
-    gathered,
-    load_full_state,
-    shard,
-    shard_optimizer_state,
-)
+from ppokit.lm.fsdp import full, full_state, gathered, load_full_state, shard, shard_optimizer_state
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, token_logprobs
@@ -51,6 +43,14 @@ from ppokit.lm.precision import Precision, float32_master_weights
 from ppokit.lm.prompts import PromptSource
 from ppokit.lm.rewards import make_reward
 from ppokit.lm.rollout import Sampled, sample
+from ppokit.lm.sharded_checkpoint import (
+    full_model_state,
+    gather_tensor,
+    is_shards_name,
+    load_shards,
+    remove_old_shards,
+    save_shards,
+)
 from ppokit.policies import frozen_copy
 from ppokit.runtime import distributed
 from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -422,31 +422,46 @@ class LMTrainer(LMRunLifecycle):
             "prompts": None if self.prompts is None else self.prompts.state(),
         }
 
-    def save(self, directory: str | Path, cursor: dict[str, Any] | None = None) -> Path:
+    def _checkpointed_modules(self) -> dict[str, nn.Module]:
+        """The trained models a sharded checkpoint holds, by name (pi_ref is rebuilt from the starting model)."""
+        return {"policy": self.policy}
+
+    def save(self, directory: str | Path, cursor: dict[str, Any] | None = None, export: bool = True) -> Path:
         """``save_pretrained`` of the policy (and its tokenizer) into ``directory/policy`` and a resumable
         checkpoint ``directory/trainer_state.pt`` (trainable weights, optimizer, RNG states, counters).
 
         Both are replaced whole: the checkpoint atomically (``checkpoint.save_checkpoint``), ``policy/`` written
         beside it under a temp name and swapped in, so a kill mid-save leaves the previous ones readable.
-        ``cursor``: the data position and random streams to store instead of the current ones (``_cursor``)."""
+        ``cursor``: the data position and random streams to store instead of the current ones (``_cursor``).
+
+        Sharded (fsdp under torchrun; every rank must call it): each rank writes its shards of the weights and
+        AdamW's states into ``directory/shards-*`` (``lm.sharded_checkpoint``), which ``trainer_state.pt`` names
+        beside the host state; ``policy/`` (the whole weights, gathered to rank 0) only with ``export``, which the
+        training loop asks for at the last save of each ``train`` call."""
         directory = Path(directory)
-        # Sharded (fsdp): every rank takes part in gathering the whole tensors, rank 0 writes them (lm.fsdp).
-        trained = full_state({n: p for n, p in self.policy.named_parameters() if p.requires_grad})
-        whole = full_state(self.policy.state_dict()) if self.sharded else None
-        optimizer = full_optimizer_state(self.optimizer) if self.sharded else self.optimizer.state_dict()
+        whole = None
+        if self.sharded:
+            weights = {"shards": save_shards(directory, self._checkpointed_modules(), self.optimizer,
+                                             self.iteration, self.dist),
+                       # Every rank's sampling stream (each samples its own prompts), so a resume on as many
+                       # ranks continues exactly; rank 0's is the cursor's sample_rng as in any run.
+                       "rank_sample_rng": gather_tensor(self._sample_state, self.dist)}
+            whole = full_model_state(self.policy) if export else None  # rank 0's alone: the others get {}
+        else:  # data-parallel or one process: every rank holds the whole tensors; rank 0 writes them
+            weights = {"policy": full_state({n: p for n, p in self.policy.named_parameters() if p.requires_grad}),
+                       "optimizer": self.optimizer.state_dict()}
         extra = self._extra_state()
-        if not self.dist.is_main:  # data-parallel: the ranks hold the same weights; rank 0 alone writes
+        if not self.dist.is_main:
             return directory
         directory.mkdir(parents=True, exist_ok=True)
-        if hasattr(self.policy, "save_pretrained"):
+        if hasattr(self.policy, "save_pretrained") and (export or not self.sharded):
             self._save_policy_dir(directory, whole)
         state = {
             "algo": self.algo,
             "config": self.config.to_dict(),
             "iteration": self.iteration,
             "completions": self.completions,
-            "policy": trained,
-            "optimizer": optimizer,
+            **weights,
             **(self._cursor() if cursor is None else cursor),
             "ref_fingerprint": self._ref_fingerprint,
             "grad_scaler": self.precision.state_dict(),  # fp16's loss scale (None otherwise)
@@ -455,7 +470,9 @@ class LMTrainer(LMRunLifecycle):
             "alerts": {"monitor": self.monitor.state_dict(), "lm": self.lm_alerts.state_dict()},
             **extra,
         }
-        save_checkpoint(directory / CHECKPOINT, state, finite=["policy", "optimizer", *self._finite_keys()])
+        save_checkpoint(directory / CHECKPOINT, state, finite=[k for k in ("policy", "optimizer", *self._finite_keys())
+                                                               if k in state])
+        remove_old_shards(directory, weights.get("shards"))  # now that the checkpoint names the new ones, if any
         return directory
 
     def _save_policy_dir(self, directory: Path, state_dict: dict[str, Tensor] | None = None) -> None:
@@ -495,7 +512,7 @@ class LMTrainer(LMRunLifecycle):
         same ``reward``/``prompts``/``pairs`` (and ``ref_model``/``value_model`` if the run had them) as before.
         """
         directory = Path(directory)
-        state = load_checkpoint(directory / CHECKPOINT, require_finite=["policy"])
+        state = load_checkpoint(directory / CHECKPOINT, require_finite=["policy"])  # shards: checked as loaded
         kwargs.setdefault("run_dir", directory)  # the run goes on logging (and saving) where it was
         if state.get("algo") != cls.algo:
             raise ValueError(f"resume: {directory} holds a {state.get('algo')!r} run, not {cls.algo!r}")
@@ -504,14 +521,21 @@ class LMTrainer(LMRunLifecycle):
         if state["ref_fingerprint"] and trainer._ref_fingerprint != state["ref_fingerprint"]:
             raise ValueError("resume: the reference model differs from the run's; pass the model the run started "
                              "from (pi_ref is built from it), not the trained policy")
-        params = dict(trainer.policy.named_parameters())
-        missing = [n for n in state["policy"] if n not in params]
-        if missing:
-            raise ValueError(f"resume: the model has no parameter {missing[0]!r} the checkpoint holds; pass the "
-                             "same architecture (and the same LoRA adapter) as the run's")
-        load_full_state(trainer.policy, state["policy"], strict=False)  # sharded or not, any number of ranks
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        shard_optimizer_state(trainer.optimizer)
+        if "shards" in state:  # a sharded run's: DCP reshards onto this run's ranks, or into whole tensors
+            if not is_shards_name(state["shards"]):
+                raise CheckpointError(f"{directory / CHECKPOINT} names no sharded checkpoint directory "
+                                      f"({state['shards']!r}); it was damaged or not written by ppokit")
+            load_shards(directory / state["shards"], trainer._checkpointed_modules(), trainer.optimizer,
+                        trainer.dist)
+        else:
+            params = dict(trainer.policy.named_parameters())
+            missing = [n for n in state["policy"] if n not in params]
+            if missing:
+                raise ValueError(f"resume: the model has no parameter {missing[0]!r} the checkpoint holds; pass "
+                                 "the same architecture (and the same LoRA adapter) as the run's")
+            load_full_state(trainer.policy, state["policy"], strict=False)  # sharded or not, any number of ranks
+            trainer.optimizer.load_state_dict(state["optimizer"])
+            shard_optimizer_state(trainer.optimizer)
         trainer.precision.load_state_dict(state.get("grad_scaler"))
         trainer._lr_horizon = state.get("lr_horizon")
         trainer.iteration, trainer.completions = int(state["iteration"]), int(state["completions"])
@@ -519,7 +543,18 @@ class LMTrainer(LMRunLifecycle):
         trainer._sample_state = state["sample_rng"].clone()
         if state.get("cuda_sample_rng") is not None:
             trainer._cuda_sample_state = state["cuda_sample_rng"].clone()
-        if not trainer.dist.is_main:
+        streams = state.get("rank_sample_rng")  # a sharded run's: every rank's sampling stream
+        if trainer.dist.active and isinstance(streams, list) and len(streams) == trainer.dist.world_size:
+            # The same number of ranks: each goes on with its own stream, as if the run had never stopped.
+            mine = streams[trainer.dist.rank]
+            if not (isinstance(mine, Tensor) and mine.dtype == torch.uint8
+                    and mine.shape == trainer._sample_state.shape):
+                raise CheckpointError(f"{directory / CHECKPOINT} cannot be resumed: its rank_sample_rng entry is "
+                                      "not a random generator's state")
+            trainer._sample_state = mine.clone()
+            if not trainer.dist.is_main:  # the CUDA stream of a rank > 0 is not gathered: seeded by rank again
+                trainer._cuda_sample_state = None
+        elif not trainer.dist.is_main:
             # Data-parallel: the file holds rank 0's sampling stream; this rank draws its own again (fresh for
             # this iteration), or both would sample their prompts with the same noise.
             seed = (trainer.dist.seed(config.seed) * 1_000_003 + trainer.iteration) % 2 ** 63

@@ -137,7 +137,8 @@ class LMConfig:
                     "their weights, gradients and AdamW states (ppokit.lm.fsdp); in one process it runs unsharded")
     # --- output ---
     log_every: int = _f(10, "print a metrics table every this many iterations (with a run dir)")
-    save_every: int = _f(10, "with a run dir, write a resumable checkpoint (trainer_state.pt and policy/) every "
+    save_every: int = _f(10, "with a run dir, write a resumable checkpoint (trainer_state.pt and policy/; fsdp "
+                         "under torchrun: trainer_state.pt and each rank's shards, policy/ at the end only) every "
                          "this many iterations, at the end, on Ctrl-C / SIGTERM and when the reward fails; a kill "
                          "loses at most this many iterations")
     tensorboard: bool = _f(True, "write TensorBoard event files (with a run dir)")

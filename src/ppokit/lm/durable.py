@@ -70,8 +70,9 @@ class LMRunLifecycle:
                     # are written after it), so its state is whole and is saved before the one-line error.
                     raise SinkError(f"{exc}; {self._save_after_sink_failure()}") from None
                 stopping = self._stop_requested = self.dist.any(self._stop_requested)
-                if stopping or self.iteration % self.config.save_every == 0 or k == iterations - 1:
-                    self._checkpoint()
+                final = stopping or k == iterations - 1
+                if final or self.iteration % self.config.save_every == 0:
+                    self._checkpoint(export=final)
                 if stopping:
                     self.interrupted = signal.Signals(self._stop_signal or signal.SIGINT).name
                     self._log_interrupt()
@@ -89,10 +90,12 @@ class LMRunLifecycle:
         """The run dir's resumable checkpoint (written by ``save``), None without a run dir."""
         return None if self.run_dir is None else self.run_dir / CHECKPOINT
 
-    def _checkpoint(self) -> None:
-        if self.run_dir is None or not (self.dist.is_main or self.sharded):  # sharded: every rank gathers
+    def _checkpoint(self, export: bool = True) -> None:
+        """``save`` into the run dir; a sharded run's periodic saves (``export`` False) write the shards alone,
+        its last one of a ``train`` call ``policy/`` too."""
+        if self.run_dir is None or not (self.dist.is_main or self.sharded):  # sharded: every rank writes
             return
-        self.save(self.run_dir)
+        self.save(self.run_dir, export=export)
         self._saved_iteration = self.iteration
 
     def _save_after_failure(self, exc: BaseException, cursor: dict[str, Any]) -> str:

@@ -18,12 +18,14 @@ another (sampling with the sharded module would all-gather per block at every to
 early would leave the others blocked in the next all-gather). It holds one full copy of the policy's weights per
 rank for the rollout, as verl's and OpenRLHF's rollout engines do.
 
-Checkpoints are consolidated: at a save every rank all-gathers each sharded tensor (``full_state``,
-``full_optimizer_state``) and rank 0 writes the run dir's usual ``trainer_state.pt`` and ``policy/``
-(``save_pretrained`` of the whole weights, which ``from_pretrained`` loads in one process). A resume loads the
-whole tensors on every rank and keeps this rank's shard (``load_full_state``, ``shard_optimizer_state``), so a
-run resumes on any number of ranks, sharded or not. It costs one whole copy of the weights and AdamW states in
-rank 0's host memory at a save; ``torch.distributed.checkpoint``'s per-rank files avoid that (not done yet).
+Checkpoints are sharded (``lm.sharded_checkpoint``): every rank writes its own shards of the policy, PPO's critic
+and AdamW's moments with ``torch.distributed.checkpoint`` into a directory that ``trainer_state.pt`` (the small host
+state) names once it is whole, so no rank holds the whole model at a save and a kill -9 leaves the previous
+checkpoint. A resume loads them on any number of ranks, or in one process (DCP reshards on load). The last save of
+a ``train`` call also gathers the whole weights to rank 0, one tensor at a time, for ``policy/`` (``save_pretrained``,
+which ``from_pretrained`` loads in one process); the periodic saves skip it. A checkpoint of the consolidated
+format (a one-process run's: ``full_state``) resumes on K sharded ranks through ``load_full_state`` and
+``shard_optimizer_state``.
 
 In one process (no launch) ``fsdp`` changes nothing: the models stay whole and the run is the plain one.
 """

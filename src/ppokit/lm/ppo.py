@@ -38,6 +38,7 @@ from ppokit.lm.logprobs import in_micro_batches, kl_per_token, position_ids, tok
 from ppokit.lm.losses import get_loss, settings_for
 from ppokit.lm.precision import float32_master_weights
 from ppokit.lm.rollout import TokenBatch, place_scores
+from ppokit.lm.sharded_checkpoint import full_model_state
 from ppokit.lm.step import WHOLE, Share, TokenStep, weigh_stats
 from ppokit.update.epochs import UpdateSettings, ppo_epochs
 
@@ -148,20 +149,27 @@ class PPOTrainer(LMTrainer):
         self.dist.prepare(self.value_model, None, [])  # data-parallel: rank 0's value head everywhere
 
     # ---------------------------------------------------------------- state
+    def _checkpointed_modules(self) -> dict[str, nn.Module]:
+        return {**super()._checkpointed_modules(), "value_model": self.value_model}
+
     def _extra_state(self) -> dict[str, Any]:
-        return {"value_model": full_state(self.value_model.state_dict()),  # sharded: whole (lm.fsdp)
+        # Sharded: the critic is in the shards beside the policy (``_checkpointed_modules``).
+        return {**({} if self.sharded else {"value_model": full_state(self.value_model.state_dict())}),
                 "kl_coef": self.kl_coef}
 
     def _finite_keys(self) -> list[str]:
         return ["value_model"]
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        load_full_state(self.value_model, state["value_model"])
+        if "value_model" in state:  # a consolidated checkpoint's (a sharded one's is loaded with the shards)
+            load_full_state(self.value_model, state["value_model"])
         self.kl_coef = float(state["kl_coef"])
 
-    def save(self, directory, cursor=None):
-        directory = super().save(directory, cursor)
-        whole = full_state(self.value_model.state_dict()) if self.sharded else None  # every rank gathers
+    def save(self, directory, cursor=None, export=True):
+        directory = super().save(directory, cursor, export)
+        if self.sharded and not export:  # a periodic sharded save: the critic is in the shards
+            return directory
+        whole = full_model_state(self.value_model) if self.sharded else None  # every rank takes part
         if not self.dist.is_main:  # rank 0 alone writes
             return directory
         from safetensors.torch import save_file, save_model

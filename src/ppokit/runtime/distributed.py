@@ -507,6 +507,14 @@ def current(timeout_s: float = 60.0, device: str = "cpu") -> Dist:
     if not (launched() or joined):
         return LOCAL
     if not joined:
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            # Started by torchrun's agent, in a session of its own (torch.distributed.elastic's Popen): a SIGKILL
+            # of the agent's process group does not reach this rank, which would train on, orphaned (measured: both
+            # ranks of a killed launch ran on). It dies with the agent instead; the agent's own stops (a signal
+            # passed on, its shutdown timeout) wait for the ranks before it exits, so they are not cut short.
+            from ppokit.envs.watchdog import die_with_parent
+
+            die_with_parent(None)
         rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":

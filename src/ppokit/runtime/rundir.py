@@ -45,11 +45,16 @@ _OUTPUT_FILES = (*RUN_FILES, BEST_NAME, "alerts.jsonl", "curves.png", "UNSAFE", 
 POLICY_DIR = "policy"  # an LM run's save_pretrained directory of its policy
 REWARD_MODEL_DIR = "reward_model"  # ... and of the reward model `ppokit lm rm` trains
 MODEL_DIRS = (POLICY_DIR, REWARD_MODEL_DIR)  # saved by a swap (model_swap_paths), recovered by claim()
+# A sharded (fsdp) LM run's checkpoint directories, shards-<iteration>-<token> (lm.sharded_checkpoint); trainer_state.pt
+# names the current one.
+SHARDS_PREFIX = "shards-"
 # videos: --capture-video; wandb: --track
 _OUTPUT_DIRS = ("tb", "videos", "wandb", *MODEL_DIRS)
-# Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their model directories).
+_OUTPUT_DIR_GLOBS = (f"{SHARDS_PREFIX}*",)
+# Temp files of a killed checkpoint write: the Gymnasium trainer's, the LM trainers' (and their model directories,
+# and a sharded run's shards directory).
 _TMP_CHECKPOINT_GLOBS = (".checkpoint.pt.*.tmp", ".best.pt.*.tmp", ".trainer_state.pt.*.tmp",
-                         *(f".{name}.*.tmp" for name in MODEL_DIRS))
+                         *(f".{name}.*.tmp" for name in MODEL_DIRS), f".{SHARDS_PREFIX}*.tmp")
 
 
 def model_swap_paths(run_dir: Path, token: str, name: str = POLICY_DIR) -> tuple[Path, Path, Path]:
@@ -243,11 +248,10 @@ def _clear_outputs(run_dir: Path) -> list[str]:
         if p.is_file() or p.is_symlink():
             p.unlink()
             removed.append(name)
-    for name in _OUTPUT_DIRS:
-        p = run_dir / name
+    for p in [run_dir / name for name in _OUTPUT_DIRS] + sorted(q for g in _OUTPUT_DIR_GLOBS for q in run_dir.glob(g)):
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-            removed.append(name + "/")
+            removed.append(p.name + "/")
     return removed
 
 
