@@ -186,8 +186,7 @@ def test_a_masked_env_trains_with_actors_on_its_masks(tmp_path):
     assert returns[-1] >= 0.93
 
 
-@pytest.mark.parametrize("fields,what", [({"recurrent": "lstm"}, "recurrent"), ({"capture_video": True}, "video"),
-                                         ({"actors": -1}, "integer")])
+@pytest.mark.parametrize("fields,what", [({"capture_video": True}, "video"), ({"actors": -1}, "integer")])
 def test_what_actors_do_not_support_is_refused_in_one_line(fields, what):
     cfg = PPOConfig(actors=2)
     for k, v in fields.items():

@@ -282,8 +282,6 @@ class PPOConfig:
              "actors = 0 runs none (the synchronous loop): set actors >= 1, or leave ray_address unset")
         if isinstance(self.actors, int) and self.actors > 0:
             # What the decoupled learner does not do yet, refused rather than run wrong (rollout/actors.py).
-            need(self.recurrent == "none", "actors", "is not supported with a recurrent policy yet (a chunk would "
-                 "have to carry its initial state): set actors = 0 or recurrent = none")
             need(not self.capture_video, "actors", "is not supported with capture_video (the learner's env 0, which "
                  "records, does not step): set actors = 0 or capture_video = false")
             need(self.device == "cpu", "actors", f"runs its learner on the CPU only for now, got device "

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Field", "Schema", "TensorBatch", "tree_map", "tree_leaves", "tree_copy_", "allocate", "flatten_steps",
-           "chunk_steps", "chunk_starts", "num_chunks"]
+           "chunk_steps", "chunk_starts", "unchunk_steps", "num_chunks"]
 
 # A layout is a leaf ``(shape, dtype)`` (the per-step trailing shape) or a dict / tuple of layouts.
 Layout = Any
@@ -298,6 +298,13 @@ def chunk_steps(x: Any, seq_len: int) -> Any:
             t = torch.cat([t, t.new_zeros((K * seq_len - T, N, *rest))])
         return t.reshape(K, seq_len, N, *rest).transpose(0, 1).reshape(seq_len, K * N, *rest)
     return tree_map(chunk, x)
+
+
+def unchunk_steps(x: Tensor, num_steps: int) -> Tensor:
+    """``chunk_steps``' inverse: ``[L, K*N, ...] -> [T, N, ...]`` with ``T = num_steps`` (the padding dropped)."""
+    L, KN, rest = x.shape[0], x.shape[1], x.shape[2:]
+    K = num_chunks(num_steps, L)
+    return x.reshape(L, K, KN // K, *rest).transpose(0, 1).reshape(K * L, KN // K, *rest)[:num_steps]
 
 
 def chunk_starts(x: Any, seq_len: int) -> Any:

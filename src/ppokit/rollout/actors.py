@@ -32,9 +32,19 @@ Faults: a worker that raises reports it and exits, an env call of its that hangs
 (each worker runs the synchronous loop's watchdog, ``envs.watchdog``); one that dies otherwise (kill -9) is
 noticed within ``POLL_S``; either is named in one line on stderr and replaced by a fresh worker (new env seeds), counted in
 ``diag/actor_replacements``. Workers ignore Ctrl-C (the learner finishes its update and stops them) and die with
-the learner (``die_with_parent``). Not supported yet, refused by the config: recurrent policies, capture_video,
-a CUDA learner; by ``build``: data-parallel ranks and a custom env or policy factory (a worker must rebuild them).
-A truncated episode's bootstrap V(final obs) is the behaviour policy's (the worker computes it at acting time).
+the learner (``die_with_parent``). Not supported yet, refused by the config: capture_video, a CUDA learner; by
+``build``: data-parallel ranks and a custom env or policy factory (a worker must rebuild them). A truncated
+episode's bootstrap V(final obs) is the behaviour policy's (the worker computes it at acting time).
+
+A recurrent policy (``--recurrent lstm|gru``, issue 19): the worker's collector stores, per env and step, the
+state passed into act and the ``episode_start`` flags act saw (``RolloutBuffer.record_state``), and they travel
+in the chunk with the other fields, with the state after the chunk (``last_state``). The learner replays each
+env's chunk as the synchronous loop replays its rollout: in sequences of ``recurrent_seq_len`` steps (0: the
+whole chunk), each from the state stored at its first step, reset at every episode start, padding masked out
+(``current_logp_values`` for V-trace, ``RolloutBuffer.sequences`` for the epochs); V(last_obs) is stepped from
+``last_state``. With the worker's weights the replay gives the worker's log-probs (the first ratio is 1). A
+replaced worker, and every worker of a resumed run, starts its envs afresh: their states at zero, each step an
+episode start, as at any reset (the learner's checkpoint holds no worker's state).
 """
 
 from __future__ import annotations
@@ -46,9 +56,10 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
-from ppokit.core.batch import flatten_steps, tree_copy_, tree_map
+from ppokit.core.batch import chunk_starts, chunk_steps, flatten_steps, tree_copy_, tree_map, unchunk_steps
 from ppokit.core.schema import PERF_PHASES
 from ppokit.core.vtrace import vtrace
 from ppokit.envs.errors import EnvError, env_failure
@@ -57,7 +68,8 @@ from ppokit.rollout.buffer import ROLLOUT_FIELDS, RolloutBuffer
 from ppokit.rollout.collector import Collector
 from ppokit.rollout.normalize import merge_moments, split_moments
 
-__all__ = ["ActorPool", "RolloutWorker", "actor_backend", "vtrace_targets", "POLL_S", "STOP_GRACE_S"]
+__all__ = ["ActorPool", "RolloutWorker", "actor_backend", "current_logp_values", "vtrace_targets", "POLL_S",
+           "STOP_GRACE_S"]
 
 # The learner looks at its workers at least this often while it waits for a chunk, so a kill -9 is noticed within
 # it; a worker waiting to hand over a chunk looks at the stop flag as often.
@@ -242,10 +254,17 @@ class RolloutWorker:
             after = dict(_rms_leaves(obs_norm.state_dict()))
             moments = [(path, *split_moments(old, after[path])) for path, old in _rms_leaves(before)]
         buf = collector.buffer
+        # A stateful policy's state after the chunk (and whether the next obs starts an episode): the bootstrap
+        # V(last_obs) is stepped from it, as the synchronous loop's from its live state (collector.bootstrap_values).
+        # The state at each step of the chunk travels in the fields (policy_state, episode_start).
+        last_state = None if collector.policy_state is None else (
+            tree_map(torch.clone, collector.policy_state), torch.from_numpy(np.array(collector.episode_start,
+                                                                                     dtype=bool)))
         return {"kind": "chunk", "slot": self.slot, "pid": os.getpid(), "version": self.version,
                 "fields": {name: tree_map(torch.clone, buf.__dict__[name]) for name in self.names},
-                "last_obs": tree_map(torch.clone, collector.last_obs), "episodes": episodes,
-                "life_episodes": list(collector.life_episodes), "nonfinite": nonfinite, "moments": moments}
+                "last_obs": tree_map(torch.clone, collector.last_obs), "last_state": last_state,
+                "episodes": episodes, "life_episodes": list(collector.life_episodes), "nonfinite": nonfinite,
+                "moments": moments}
 
     def close(self) -> None:
         try:
@@ -277,6 +296,7 @@ class ActorPool(Collector):
         self._seed = config.seed
         self._shared: _Shared | None = None
         self._fields = {f.name for f in ROLLOUT_FIELDS.fields() if self.buffer.__dict__[f.name] is not None}
+        self.last_state: tuple[Any, torch.Tensor] | None = None  # the last chunk's (see collect)
 
     # ------------------------------------------------------------------ the source's side of the learner
     def reset(self, seed: int) -> None:
@@ -318,6 +338,8 @@ class ActorPool(Collector):
         for name, value in item["fields"].items():
             tree_copy_(buf.__dict__[name], value)
         self.last_obs = tree_map(lambda t: t.to(self.device), item["last_obs"])
+        # (state [N, ...], episode_start [N]) after the chunk, a stateful policy's; None for a stateless one.
+        self.last_state = item["last_state"]
         self.life_episodes = item["life_episodes"]
         self.perf["env"] += time.perf_counter() - t0  # the learner's wait for its actors
         return item["episodes"], item["nonfinite"]
@@ -473,19 +495,45 @@ def _drain(q: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------- V-trace
-def vtrace_targets(policy: Any, buffer: RolloutBuffer, last_obs: Any, gamma: float, lam: float) -> tuple[
+def current_logp_values(policy: Any, buffer: RolloutBuffer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, values)`` ``[T, N]`` of the chunk's actions under ``policy``. A stateless policy evaluates the steps
+    as rows; a stateful one replays each env's steps in order as the update's sequence minibatches do
+    (``RolloutBuffer.sequences``: chunks of ``seq_len`` steps, each from the state its worker stored at the chunk's
+    first step, reset at every episode start), so with the worker's weights it gives the worker's numbers."""
+    T, N = buffer.rewards.shape
+    if buffer.policy_state is None:
+        masks = None if buffer.masks is None else flatten_steps(buffer.masks)
+        logp, _, values = policy.evaluate(flatten_steps(buffer.obs), flatten_steps(buffer.actions),
+                                          action_mask=masks)
+        return logp.reshape(T, N), values.reshape(T, N)
+    masks = None if buffer.masks is None else chunk_steps(buffer.masks, seq_len)
+    # The padding past step T - 1 (zeros) comes after every kept step of its chunk and is dropped on the way back.
+    logp, _, values = policy.evaluate_sequence(chunk_steps(buffer.obs, seq_len), chunk_steps(buffer.actions, seq_len),
+                                               chunk_starts(buffer.policy_state, seq_len),
+                                               chunk_steps(buffer.episode_start, seq_len), masks)
+    return unchunk_steps(logp, T), unchunk_steps(values, T)
+
+
+def vtrace_targets(policy: Any, buffer: RolloutBuffer, last_obs: Any, gamma: float, lam: float,
+                   seq_len: int | None = None, last_state: tuple[Any, torch.Tensor] | None = None) -> tuple[
         torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` ``[T, N]`` of a chunk under the current ``policy``: V-trace targets as returns,
     APPO's ``rho_t (r_t + gamma vs_{t+1} - V(x_t))`` as advantages (``core.vtrace``), with ``lam`` on the traces.
     ``buffer.values`` becomes the current policy's V(x_t) (the value loss and its clipping start from it); the
-    behaviour log-probs in ``buffer.logp`` stay the surrogate's denominator."""
+    behaviour log-probs in ``buffer.logp`` stay the surrogate's denominator. A stateful policy replays the chunk
+    in sequences of ``seq_len`` steps (default: the whole chunk; ``current_logp_values``) and bootstraps from
+    ``last_state``, the worker's ``(state, episode_start)`` after the chunk."""
     T, N = buffer.rewards.shape
     with torch.inference_mode():
-        masks = None if buffer.masks is None else flatten_steps(buffer.masks)
-        logp, _, values = policy.evaluate(flatten_steps(buffer.obs), flatten_steps(buffer.actions),
-                                          action_mask=masks)
-        buffer.values.copy_(values.reshape(T, N))
-        next_values = buffer.next_values(policy.value(last_obs))
-        vs, advantages = vtrace(buffer.logp, logp.reshape(T, N), buffer.rewards, buffer.values, next_values,
+        logp, values = current_logp_values(policy, buffer, seq_len or T)
+        buffer.values.copy_(values)
+        if buffer.policy_state is None:
+            last_values = policy.value(last_obs)
+        else:
+            if last_state is None:
+                raise ValueError("vtrace_targets: a stateful policy's chunk needs the worker's last_state")
+            last_values = policy.value(last_obs, *last_state)
+        next_values = buffer.next_values(last_values)
+        vs, advantages = vtrace(buffer.logp, logp, buffer.rewards, buffer.values, next_values,
                                 buffer.terminated, buffer.truncated, gamma, lam)
     return advantages, vs
