@@ -154,15 +154,15 @@ def _preset_run(run_dir, *flags: str) -> tuple[int, str, list[int]]:
 
 @pytest.mark.slow
 def test_cartpole_without_velocities_learns_with_two_recurrent_actors(tmp_path):
+    # The preset with 2 actors, at most 30,720 steps (the evaluation gate ends it once it scores 500): ~60-95 s here.
     run_dir = tmp_path / "run"
-    code, err, kids = _preset_run(run_dir, "--actors", "2", "--seed", "1", "--total-timesteps", "30720",
-                             "--eval-threshold", "501")
+    code, err, kids = _preset_run(run_dir, "--actors", "2", "--seed", "1", "--total-timesteps", "30720")
     assert code == 0, err[-2000:]
     rows = _rows(run_dir)
     evals = [float(r[S.EVAL_RETURN]) for r in rows if r[S.EVAL_RETURN] not in ("", "nan")]
-    # Seed 1: every deterministic evaluation from 20k steps on was 500 (RESULTS.md); a policy that learned
-    # nothing scores ~10-40 (CartPole without velocities, no memory).
-    assert max(evals[-3:]) >= 300, evals
+    # Seed 1 (three runs, benchmarks/RESULTS.md): the gate's deterministic evaluation reached 473-500 by 20-26k
+    # steps; a policy without memory of the hidden velocities scores ~10-40 (the first evaluations).
+    assert max(evals) >= 250, evals
     assert max(float(r[S.POLICY_LAG]) for r in rows) <= 8
     assert len(kids) == 2 and _gone(kids, 1.0), kids  # no worker outlives the run
 
