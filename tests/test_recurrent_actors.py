@@ -114,6 +114,37 @@ def test_at_lag_0_the_learners_replay_gives_the_workers_log_probs_and_values(tmp
     torch.testing.assert_close(ret, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_a_masked_envs_chunk_replays_on_its_masks(tmp_path):
+    # GridWorld with walls: the masks act saw travel in the chunk and mask the replay's heads as they masked act's.
+    from ppokit.envs import GRIDWORLD_WALLS_ID
+    from ppokit.training.build import build
+
+    cfg = load_preset("gridworld", PPOConfig())
+    for k, v in {"env_id": GRIDWORLD_WALLS_ID, "actors": 1, "recurrent": "gru", "recurrent_hidden": 16,
+                 "recurrent_seq_len": 8, "run_dir": str(tmp_path / "run")}.items():
+        setattr(cfg, k, v)
+    parts = build(cfg)
+    pool, policy = parts.collector, parts.policy
+    pool.reset(cfg.seed)
+    try:
+        pool.publish(policy, 0)
+        pool.collect(0)
+        pool.collect(0)
+        pids = [p.pid for p in pool.workers.values()]
+    finally:
+        pool.close()
+        parts.envs.close()
+    buf = pool.buffer
+    assert not buf.masks.all() and buf.policy_state.abs().sum() > 0
+    with torch.inference_mode():
+        logp, values = current_logp_values(policy, buf, 8)
+        torch.testing.assert_close(logp, buf.logp, rtol=0, atol=ATOL)
+        torch.testing.assert_close(values, buf.values, rtol=0, atol=ATOL)
+        unmasked = type(buf)(**dict(buf.items(), masks=torch.ones_like(buf.masks)))
+        assert not torch.allclose(current_logp_values(policy, unmasked, 8)[0], buf.logp, atol=1e-3)
+    assert _gone(pids, 1.0)
+
+
 def test_the_learners_first_epoch_on_an_actors_chunk_has_ratio_one(tmp_path):
     # The trainer's own path: V-trace under the current policy, then the sequence minibatches of the update.
     from ppokit.training.trainer import Trainer
@@ -139,10 +170,10 @@ def _train(*args: str, timeout: float = 170.0) -> tuple[int, str, list[int]]:
     while proc.poll() is None and time.monotonic() < deadline:
         try:
             kids |= set(_actor_pids(psutil.Process(proc.pid)))
-        except psutil.NoSuchProcess:
-            break
+        except psutil.NoSuchProcess:  # the learner, or a child read as it exits: looked at again
+            pass
         time.sleep(0.2)
-    if proc.poll() is None:
+    if proc.poll() is None:  # past the timeout
         proc.kill()
     _, err = proc.communicate(timeout=30)
     return proc.returncode, err, sorted(kids)
