@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ppokit.config.ppo_config import PPOConfig
-from ppokit.core.batch import Field, Schema, TensorBatch, chunk_starts, chunk_steps, flatten_steps
+from ppokit.core.batch import Field, Schema, TensorBatch, chunk_starts, chunk_steps, flatten_steps, unchunk_steps
 from ppokit.lm.rollout import TokenBatch
 from ppokit.rollout.buffer import ROLLOUT_FIELDS, RolloutBuffer, step_field_declared
 from ppokit.rollout.collector import Collector
@@ -135,6 +135,10 @@ def test_flatten_and_chunks_keep_every_part_of_a_tree_in_step():
     # column k*N + n: env n's steps k*L, k*L+1 (zeros past T)
     assert chunks["a"][:, 1].tolist() == [1, 3] and chunks["a"][:, 2 * N + 1].tolist() == [9, 0]
     assert chunk_starts(x, L).tolist() == [x[k * L, n].item() for k in range(3) for n in range(N)]
+    # unchunk_steps undoes it, the padding dropped (per-step values computed on the chunks land on their steps)
+    for seq_len in (1, 2, 3, T):
+        y = torch.randn(T, N, 4)
+        assert torch.equal(unchunk_steps(chunk_steps(y, seq_len), T), y)
 
 
 def test_a_batch_type_is_its_schema():
