@@ -126,7 +126,10 @@ class LMConfig:
     # --- memory ---
     offload_rollout: bool = _f(False, "keep rollout tensors (log-probs, masks, values) in CPU memory and move them "
                                "to the device per minibatch")
-    gradient_checkpointing: bool = _f(False, "enable the model's gradient checkpointing during the update")
+    gradient_checkpointing: bool = _f(False, "recompute each transformer block's activations in the backward "
+                                      "instead of keeping them (transformers' non-reentrant checkpointing; with "
+                                      "fsdp, per sharded block): activation memory of one block, about one more "
+                                      "forward of time per update")
     micro_batch_size: int | None = _f(None, "rows per forward pass: the no-gradient passes (pi_old, pi_ref, values, a "
                                       "reward model) run in chunks of this many sequences and every update step "
                                       "accumulates the gradients of its minibatch over them, each weighted by its "

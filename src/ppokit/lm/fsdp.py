@@ -44,11 +44,12 @@ __all__ = ["transformer_blocks", "shard", "is_sharded", "gathered", "local_bytes
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's transformer blocks in order: modules whose class one of its modules names in
-    ``_no_split_modules`` (transformers' list of the blocks a device map must not split)."""
+    ``_no_split_modules`` (transformers' list of the blocks a device map must not split). A sharded model's blocks
+    too: ``fully_shard`` gives each one a subclass (``FSDPLlamaDecoderLayer``) of its class."""
     names: set[str] = set()
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
         raise ValueError(f"fsdp: {type(model).__name__} names no transformer block class (_no_split_modules); "
                          "FSDP shards a model per block")
