@@ -172,7 +172,7 @@ class LMTrainer(LMRunLifecycle):
                 raise ConfigError("fsdp", "does not shard a LoRA (PEFT) policy yet; drop --lora or --fsdp")
             for m in (self.policy, self.ref_model, getattr(self, "value_model", None)):
                 if m is not None:
-                    shard(m, cfg.dtype)
+                    shard(m, cfg.dtype, offload=cfg.fsdp_offload)
         self.reward = None if reward is None else make_reward(reward, tokenizer, cfg.micro_batch_size)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
         self.backend = make_generator(cfg.sampler)
@@ -290,7 +290,8 @@ class LMTrainer(LMRunLifecycle):
             self.sync([p.grad for p in params if p.grad is not None], [loss])
         self.precision.unscale(self.optimizer)
         grad_norm = full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))  # sharded: over every shard
-        loss_v, grad_v = torch.stack([loss, grad_norm.float()]).tolist()
+        # fsdp_offload: the gradients, and so their norm, are in CPU memory.
+        loss_v, grad_v = torch.stack([loss, grad_norm.float().to(loss.device)]).tolist()
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
         if skipped:
             self.optimizer.zero_grad(set_to_none=False)

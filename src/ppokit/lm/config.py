@@ -138,6 +138,11 @@ class LMConfig:
     fsdp: bool = _f(False, "under torchrun (or --nproc K): shard the policy, pi_ref and the value model over the "
                     "ranks with FSDP2 (fully_shard per transformer block, then the root), so each rank holds 1/K of "
                     "their weights, gradients and AdamW states (ppokit.lm.fsdp); in one process it runs unsharded")
+    fsdp_offload: bool = _f(False, "with fsdp: keep each rank's shards of the weights, their gradients and AdamW's "
+                            "states in CPU memory (FSDP2's CPUOffloadPolicy), each block's weights copied to the "
+                            "device for its forward and backward and AdamW stepping on the CPU; it saves device "
+                            "memory only with a GPU (device cuda): on a CPU-only machine everything is in CPU memory "
+                            "already and the run is the same, a little slower")
     # --- output ---
     log_every: int = _f(10, "print a metrics table every this many iterations (with a run dir)")
     save_every: int = _f(10, "with a run dir, write a resumable checkpoint (trainer_state.pt and policy/; fsdp "
@@ -261,6 +266,7 @@ class LMConfig:
 
         check_device(self.device)
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.fsdp or not self.fsdp_offload, "fsdp_offload", "offloads FSDP's shards: add --fsdp")
         need(not (self.fsdp and self.dtype == "fp16"), "fsdp",
              "runs with dtype bf16 or fp32 (FSDP2's mixed precision), not fp16; use --dtype bf16")
         from ppokit.lm.precision import autocast_problem

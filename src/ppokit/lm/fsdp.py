@@ -56,16 +56,21 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard(model: nn.Module, dtype: str = "fp32") -> nn.Module:
+def shard(model: nn.Module, dtype: str = "fp32", offload: bool = False) -> nn.Module:
     """``fully_shard`` on each transformer block, then on the root (in place; the same object is returned).
 
     Every rank must hold the same weights before (the trainers broadcast rank 0's): rank ``r`` keeps chunk ``r``
-    of each parameter's first dimension."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    of each parameter's first dimension. ``offload``: the shards (and so their gradients, and the moments of an
+    optimizer built on them afterwards) in CPU memory, pinned when the model is on CUDA."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
     if dtype == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        # Pinned host memory is what lets the copies overlap compute, and it only exists beside a CUDA device.
+        on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=on_cuda)
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=True, **kwargs)
     # The root's weights (embeddings, LM head) are the first the backward needs: kept after its forward
