@@ -115,3 +115,60 @@ def test_fsdp_offload_without_fsdp_is_refused_in_one_line():
         LMConfig(fsdp_offload=True).validate()
     assert "\n" not in str(info.value)
     LMConfig(fsdp=True, fsdp_offload=True).validate()
+
+
+REWARD_MODULE = "def count_a(prompts, completions, **info):\n    return [c.count('a') / 4 for c in completions]\n"
+
+
+@pytest.mark.slow
+def test_ppokit_lm_grpo_nproc_2_fsdp_trains_in_one_run_dir_and_leaves_no_process(tmp_path):
+    """``ppokit lm grpo --nproc 2 --fsdp`` on a saved tiny GPT-2: the runtime launcher starts torchrun's agent and 2
+    ranks; the run finishes (exit 0, rank 0's summary once), both ranks wrote into one default run dir (named once
+    by the launching process, not by each rank's clock) and every process it started is gone when it returns."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    import subprocess
+    import sys
+    import time
+
+    from ppokit.lm.tiny import build_tiny, save_tiny
+    from ppokit.runtime.checkpoint import load_checkpoint
+    from test_distributed import _alive, _proc_children
+    from test_lm_fsdp import TIMEOUT, _env
+
+    model = save_tiny(*build_tiny("ab:", seed=0), tmp_path / "model")
+    (tmp_path / "myreward.py").write_text(REWARD_MODULE)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a:"}\n{"prompt": "b:"}\n')
+    cmd = [sys.executable, "-m", "ppokit", "lm", "grpo", "--nproc", "2", "--fsdp", "--model", str(model),
+           "--reward", "myreward:count_a", "--prompts", "p.jsonl", "--iterations", "2", "--batch-prompts", "2",
+           "--group-size", "2", "--max-new-tokens", "4", "--num-minibatches", "1", "--update-epochs", "1",
+           "--no-console", "--no-tensorboard"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while launcher.poll() is None:  # every descendant it starts: torchrun's agent, then the ranks
+            assert time.monotonic() < deadline, "ppokit lm grpo --nproc 2 did not finish"
+            for agent in _proc_children(launcher.pid):
+                seen.update([agent, *_proc_children(agent)])
+            time.sleep(0.1)
+        out, err = launcher.communicate()
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err[-4000:]
+    assert len(seen) >= 3, seen  # the agent and 2 ranks were seen
+    assert not _alive(sorted(seen))
+    assert out.count("ppokit lm grpo: 2 iterations") == 1, out
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1, runs
+    state = load_checkpoint(runs[0] / "trainer_state.pt")
+    assert state["iteration"] == 2 and (runs[0] / state["shards"]).is_dir() and (runs[0] / "policy").is_dir()
+
+
+def test_nproc_rank_argv_drops_nproc_and_names_the_run_dir():
+    from ppokit.cli.lm_train import rank_argv
+
+    argv = ["--model", "m", "--nproc", "2", "--fsdp", "--npro=3", "--no-console"]
+    assert rank_argv(argv, "runs/x") == ["--model", "m", "--fsdp", "--no-console", "--run-dir=runs/x"]
+    assert rank_argv(["--nproc=2", "--run-dir", "d"], "d") == ["--run-dir", "d"]
+    assert rank_argv(["--nproc", "2", "--resume", "d"], None) == ["--resume", "d"]
