@@ -172,3 +172,84 @@ def test_nproc_rank_argv_drops_nproc_and_names_the_run_dir():
     assert rank_argv(argv, "runs/x") == ["--model", "m", "--fsdp", "--no-console", "--run-dir=runs/x"]
     assert rank_argv(["--nproc=2", "--run-dir", "d"], "d") == ["--run-dir", "d"]
     assert rank_argv(["--nproc", "2", "--resume", "d"], None) == ["--resume", "d"]
+
+
+LORA_SCRIPT = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+import peft
+from ppokit.lm import DPOTrainer, GRPOTrainer, LMConfig
+from ppokit.lm.fsdp import full, is_sharded, local_bytes
+from ppokit.lm.tiny import build_char_tokenizer, build_tiny_llama
+reward = lambda prompts, completions: [c.count("X") / max(len(c), 4) for c in completions]
+pairs = [("X:", "XX", "AB"), ("A:", "XA", "BB"), ("AB:", "XXX", "A"), ("B:", "X", "BA")]
+ranks = int(os.environ.get("WORLD_SIZE", "1"))
+out = {}
+for kind in sys.argv[2].split(","):
+    for fsdp in (False, True) if ranks > 1 else (False,):
+        tok = build_char_tokenizer("ABX:", pad_is_eos=True)
+        torch.manual_seed(0)  # peft draws the adapter's initial weights from the global stream
+        model = peft.get_peft_model(build_tiny_llama(tok, seed=0), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        cfg = LMConfig(learning_rate=3e-2, batch_prompts=4, group_size=4, max_new_tokens=6, update_epochs=2,
+                       num_minibatches=2, beta=0.1, fsdp=fsdp, tensorboard=False, console=False)
+        if kind == "grpo":
+            t = GRPOTrainer(model, tok, reward=reward, prompts=["X:", "AB:", "BXAX:", "A:"], config=cfg)
+        else:
+            t = DPOTrainer(model, tok, pairs, config=cfg)
+        assert t.ref_model is None and is_sharded(t.policy) == (fsdp and ranks > 1)  # pi_ref: the adapter off
+        named = dict(t.policy.named_parameters())
+        adapter = [p for n, p in named.items() if "lora_" in n]
+        base = [p for n, p in named.items() if "lora_" not in n]
+        held = {"adapter": local_bytes(adapter) / sum(p.numel() * p.element_size() for p in adapter),
+                "base": local_bytes(base) / sum(p.numel() * p.element_size() for p in base)}
+        losses = [v for _ in range(3) for k, v in sorted(t.step().items()) if "loss" in k]
+        out[f"{kind}_{'fsdp' if fsdp else 'ddp'}"] = {
+            "losses": losses, "held": held,
+            "adapter": torch.cat([full(p).detach().double().reshape(-1) for p in adapter]).tolist(),
+            "base": torch.cat([full(p).detach().double().reshape(-1) for p in base]).tolist()}
+        t.close()
+if ranks == 1 or dist.get_rank() == 0:
+    json.dump(out, open(sys.argv[1], "w"))
+'''
+
+
+@pytest.mark.slow
+def test_fsdp_lora_shards_the_frozen_base_and_the_adapter_and_matches_unsharded_runs(tmp_path):
+    """A LoRA (peft) policy under fsdp: the adapter is applied before fully_shard, so each block's frozen base
+    weights and its adapter are sharded together (each of 2 ranks holds about half of both) and only the adapter
+    trains; pi_ref is the same sharded module with the adapter disabled. GRPO and DPO (3 iterations) give the
+    2-rank data-parallel LoRA run's losses and weights, and DPO (no sampling: the same global batch of pairs on
+    any number of ranks) the one-process run's (measured: equal bits vs data-parallel, 2.1e-7 vs one process)."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    pytest.importorskip("peft", reason="needs pip install -e '.[lora]'")
+    import subprocess
+    import sys
+
+    import torch
+
+    from test_lm_fsdp import TIMEOUT, _env
+
+    _torchrun(tmp_path, LORA_SCRIPT, str(tmp_path / "two.json"), "grpo,dpo")
+    proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path / "one.json"), "dpo"],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two, one = json.loads((tmp_path / "two.json").read_text()), json.loads((tmp_path / "one.json").read_text())
+    start = None
+    for kind in ("grpo", "dpo"):
+        ddp, fsdp = two[f"{kind}_ddp"], two[f"{kind}_fsdp"]
+        assert ddp["held"] == {"adapter": 1.0, "base": 1.0}
+        assert fsdp["held"]["adapter"] == pytest.approx(0.5, abs=0.05)
+        assert fsdp["held"]["base"] == pytest.approx(0.5, abs=0.05)
+        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5, abs=1e-6), kind
+        assert fsdp["base"] == ddp["base"]  # frozen: bit for bit
+        start = fsdp["base"] if start is None else start
+        assert fsdp["base"] == start  # and the same in both trainers: the base never moved
+        diff = float((torch.tensor(fsdp["adapter"]) - torch.tensor(ddp["adapter"])).abs().max())
+        assert diff < 1e-5, (kind, diff)
+    diff = float((torch.tensor(two["dpo_fsdp"]["adapter"]) - torch.tensor(one["dpo_ddp"]["adapter"])).abs().max())
+    print("DPO LoRA, 2-rank fsdp vs 1 process: max |adapter diff|", diff)
+    assert diff < 1e-5, diff
+    assert two["dpo_fsdp"]["losses"] == pytest.approx(one["dpo_ddp"]["losses"], rel=1e-5, abs=1e-6)

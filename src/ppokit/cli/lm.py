@@ -141,7 +141,8 @@ def _export(full: argparse.Namespace) -> int:
         raise InputError(f"--model: required (the model directory {run_dir} started from; its lm_run.json does "
                          "not record one)")
     if cli.get("lora"):
-        raise InputError(f"{run_dir}: a LoRA run is not sharded; its policy/ is the export")
+        raise InputError(f"{run_dir}: a LoRA run's export is its adapter, policy/, written at each train() call's "
+                         "last save; resume the run (--resume) to write it")
     model, tokenizer = load_model_dir(model_dir)
     iteration = export_policy(run_dir, model, tokenizer, Path(full.out))
     print(f"ppokit lm export: iteration {iteration} of {run_dir} -> {full.out} (from_pretrained reads it)")

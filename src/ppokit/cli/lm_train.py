@@ -121,8 +121,6 @@ def train(command: str, full: argparse.Namespace) -> int:
         config = None
     else:
         config = config_from_args(full)  # before any model is loaded: a bad value costs nothing
-        if full.lora and config.fsdp:  # lm.fsdp shards whole models; an adapter over a sharded base is not done
-            raise InputError("--fsdp: does not shard a LoRA (peft) policy yet; drop --lora or --fsdp")
         for key in ("model", *DATA_FLAGS.get(command, ("reward", "prompts"))):
             if not getattr(full, key) and not (key == "reward" and getattr(full, "reward_model", None)):
                 raise InputError(f"--{key}: required (ppokit lm {command} --help lists the options)")

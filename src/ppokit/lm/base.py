@@ -32,7 +32,7 @@ from ppokit.diagnostics.monitor import Monitor
 from ppokit.lm.alerts import LMAlerts
 from ppokit.lm.backends import make_generator
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
-from ppokit.lm.config import ConfigError, LMConfig
+from ppokit.lm.config import LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
 from ppokit.lm.fsdp import full, full_state, gathered, load_full_state, shard, shard_optimizer_state
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
@@ -168,8 +168,6 @@ class LMTrainer(LMRunLifecycle):
         # fsdp under torchrun: the models sharded per block, now that every rank holds rank 0's weights (lm.fsdp).
         self.sharded = cfg.fsdp and self.dist.active
         if self.sharded:
-            if is_peft_model(self.policy):
-                raise ConfigError("fsdp", "does not shard a LoRA (PEFT) policy yet; drop --lora or --fsdp")
             for m in (self.policy, self.ref_model, getattr(self, "value_model", None)):
                 if m is not None:
                     shard(m, cfg.dtype, offload=cfg.fsdp_offload)
