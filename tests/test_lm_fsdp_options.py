@@ -120,30 +120,39 @@ def test_fsdp_offload_without_fsdp_is_refused_in_one_line():
 REWARD_MODULE = "def count_a(prompts, completions, **info):\n    return [c.count('a') / 4 for c in completions]\n"
 
 
+def _lm_nproc(tmp_path, *extra: str):
+    """``ppokit lm grpo --nproc 2 --fsdp`` on a saved tiny GPT-2, started in ``tmp_path`` (its reward module and
+    prompts there, the default run dir under ``runs/``)."""
+    import subprocess
+    import sys
+
+    from ppokit.lm.tiny import build_tiny, save_tiny
+    from test_lm_fsdp import _env
+
+    model = save_tiny(*build_tiny("ab:", seed=0), tmp_path / "model")
+    (tmp_path / "myreward.py").write_text(REWARD_MODULE)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a:"}\n{"prompt": "b:"}\n')
+    cmd = [sys.executable, "-m", "ppokit", "lm", "grpo", "--nproc", "2", "--fsdp", "--model", str(model),
+           "--reward", "myreward:count_a", "--prompts", "p.jsonl", "--batch-prompts", "2", "--group-size", "2",
+           "--max-new-tokens", "4", "--num-minibatches", "1", "--update-epochs", "1", "--no-console",
+           "--no-tensorboard", *extra]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 @pytest.mark.slow
 def test_ppokit_lm_grpo_nproc_2_fsdp_trains_in_one_run_dir_and_leaves_no_process(tmp_path):
     """``ppokit lm grpo --nproc 2 --fsdp`` on a saved tiny GPT-2: the runtime launcher starts torchrun's agent and 2
     ranks; the run finishes (exit 0, rank 0's summary once), both ranks wrote into one default run dir (named once
     by the launching process, not by each rank's clock) and every process it started is gone when it returns."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
-    import subprocess
-    import sys
     import time
 
-    from ppokit.lm.tiny import build_tiny, save_tiny
     from ppokit.runtime.checkpoint import load_checkpoint
     from test_distributed import _alive, _proc_children
-    from test_lm_fsdp import TIMEOUT, _env
+    from test_lm_fsdp import TIMEOUT
 
-    model = save_tiny(*build_tiny("ab:", seed=0), tmp_path / "model")
-    (tmp_path / "myreward.py").write_text(REWARD_MODULE)
-    (tmp_path / "p.jsonl").write_text('{"prompt": "a:"}\n{"prompt": "b:"}\n')
-    cmd = [sys.executable, "-m", "ppokit", "lm", "grpo", "--nproc", "2", "--fsdp", "--model", str(model),
-           "--reward", "myreward:count_a", "--prompts", "p.jsonl", "--iterations", "2", "--batch-prompts", "2",
-           "--group-size", "2", "--max-new-tokens", "4", "--num-minibatches", "1", "--update-epochs", "1",
-           "--no-console", "--no-tensorboard"]
-    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = _lm_nproc(tmp_path, "--iterations", "2")
     seen: set[int] = set()
     deadline = time.monotonic() + TIMEOUT
     try:
@@ -163,6 +172,52 @@ def test_ppokit_lm_grpo_nproc_2_fsdp_trains_in_one_run_dir_and_leaves_no_process
     assert len(runs) == 1, runs
     state = load_checkpoint(runs[0] / "trainer_state.pt")
     assert state["iteration"] == 2 and (runs[0] / state["shards"]).is_dir() and (runs[0] / "policy").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_a_signal_or_kill_9_to_ppokit_lm_nproc_stops_every_rank_after_a_sharded_save(tmp_path, how):
+    """Ctrl-C (SIGINT) to ``ppokit lm grpo --nproc 2 --fsdp`` exits 130 once both ranks have saved and stopped;
+    kill -9 of it closes the launcher's pipe, and torchrun's agent stops the ranks as for SIGTERM (they watch the
+    launcher, ``runtime.launcher.watch_launcher``). Either way no process is left, and the run dir holds a sharded
+    checkpoint of a finished iteration (save_every is large: only the stop saves)."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    import os
+    import signal
+    import time
+
+    from ppokit.runtime.checkpoint import load_checkpoint
+    from test_distributed import _alive, _proc_children, _until
+    from test_lm_fsdp import TIMEOUT
+
+    launcher = _lm_nproc(tmp_path, "--iterations", "100000", "--save-every", "100000")
+    started: list[int] = []  # the agent and the ranks, once seen
+    try:
+        _until(lambda: launcher.poll() is not None or len(list(tmp_path.glob("runs/*/completions.jsonl"))) == 1,
+               "the run did not start")
+        assert launcher.poll() is None, launcher.communicate()
+        agent = _until(lambda: _proc_children(launcher.pid), "no torchrun agent")[0]
+        ranks = _until(lambda: len(_proc_children(agent)) == 2 and _proc_children(agent), "no 2 ranks")
+        started += [agent, *ranks]
+        if how == "SIGINT":
+            launcher.send_signal(signal.SIGINT)
+            _, err = launcher.communicate(timeout=TIMEOUT)
+            assert launcher.returncode == 130, err[-3000:]
+            assert "Traceback" not in err, err[-3000:]
+        else:
+            launcher.kill()
+            launcher.wait()
+        deadline = time.monotonic() + TIMEOUT
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(started)
+    finally:
+        launcher.kill()
+        for p in _alive(started):
+            os.kill(p, signal.SIGKILL)
+    run = next(tmp_path.glob("runs/*"))
+    state = load_checkpoint(run / "trainer_state.pt")
+    assert state["iteration"] >= 1 and (run / state["shards"]).is_dir()
 
 
 def test_nproc_rank_argv_drops_nproc_and_names_the_run_dir():
