@@ -175,19 +175,20 @@ def test_ppokit_lm_grpo_nproc_2_fsdp_trains_in_one_run_dir_and_leaves_no_process
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL", "rank1-SIGKILL"])
 def test_a_signal_or_kill_9_to_ppokit_lm_nproc_stops_every_rank_after_a_sharded_save(tmp_path, how):
     """Ctrl-C (SIGINT) to ``ppokit lm grpo --nproc 2 --fsdp`` exits 130 once both ranks have saved and stopped;
     kill -9 of it closes the launcher's pipe, and torchrun's agent stops the ranks as for SIGTERM (they watch the
     launcher, ``runtime.launcher.watch_launcher``). Either way no process is left, and the run dir holds a sharded
-    checkpoint of a finished iteration (save_every is large: only the stop saves)."""
+    checkpoint of a finished iteration (save_every is large: only the stop saves). Rank 1 killed: one line names it
+    and the command that resumes the run (no traceback), and no process is left."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import os
     import signal
     import time
 
     from ppokit.runtime.checkpoint import load_checkpoint
-    from test_distributed import _alive, _proc_children, _until
+    from test_distributed import _alive, _proc_children, _rank_of, _until
     from test_lm_fsdp import TIMEOUT
 
     launcher = _lm_nproc(tmp_path, "--iterations", "100000", "--save-every", "100000")
@@ -204,9 +205,16 @@ def test_a_signal_or_kill_9_to_ppokit_lm_nproc_stops_every_rank_after_a_sharded_
             _, err = launcher.communicate(timeout=TIMEOUT)
             assert launcher.returncode == 130, err[-3000:]
             assert "Traceback" not in err, err[-3000:]
-        else:
+        elif how == "SIGKILL":
             launcher.kill()
             launcher.wait()
+        else:
+            os.kill(next(p for p in ranks if _rank_of(p) == 1), signal.SIGKILL)
+            _, err = launcher.communicate(timeout=TIMEOUT)
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert launcher.returncode not in (0, None)
+            assert len(lines) == 1 and "rank 1 of 2 was killed by SIGKILL (signal 9)" in lines[0], err[-3000:]
+            assert "continue with ppokit lm grpo --nproc 2 --resume RUN_DIR" in lines[0], lines[0]
         deadline = time.monotonic() + TIMEOUT
         while _alive(started) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -215,6 +223,8 @@ def test_a_signal_or_kill_9_to_ppokit_lm_nproc_stops_every_rank_after_a_sharded_
         launcher.kill()
         for p in _alive(started):
             os.kill(p, signal.SIGKILL)
+    if how.startswith("rank"):
+        return
     run = next(tmp_path.glob("runs/*"))
     state = load_checkpoint(run / "trainer_state.pt")
     assert state["iteration"] >= 1 and (run / state["shards"]).is_dir()
