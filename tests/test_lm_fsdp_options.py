@@ -383,3 +383,26 @@ def test_a_sharded_lora_run_resumes_in_one_process_and_exports_its_adapter(tmp_p
         logits = model(input_ids=torch.tensor([[1, 2, 3, 4, 2]])).logits.double()
     diff = float((logits - torch.tensor(saved["logits"])).abs().max())
     assert diff < 1e-5, diff  # measured: 2.2e-8
+
+
+def test_the_memory_check_counts_a_rank_s_shards_of_the_models_and_none_offloaded():
+    """``estimate_lm_memory`` under fsdp on K ranks: the models' term (copies, gradients, AdamW's moments) is 1/K
+    of the unsharded one on each rank, 0 on the device with fsdp_offload; sampling and the update's activations are
+    per rank as before. A run that fits once sharded is not refused for the whole model's optimizer."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    from ppokit.lm.checks import estimate_lm_memory
+    from ppokit.lm.config import LMConfig
+    from ppokit.lm.tiny import build_char_tokenizer, build_tiny_llama
+
+    model = build_tiny_llama(build_char_tokenizer("ABX:", pad_is_eos=True), seed=0)
+    n = sum(p.numel() for p in model.parameters())
+
+    def parts(shards, **kw):
+        return estimate_lm_memory(LMConfig(fsdp=True, **kw), model, 8, 8, 8, extra_models=1, value_model=False,
+                                  shards=shards)
+
+    whole, half, offloaded = parts(1), parts(2), parts(2, fsdp_offload=True)
+    assert whole["models"] == n * 4 + n * (8 + 4)  # pi_ref + (gradient + two moments) of float32 weights
+    assert half["models"] == whole["models"] // 2 and offloaded["models"] == 0
+    assert half["rollout"] == whole["rollout"] == offloaded["rollout"]
+    assert half["update"] == whole["update"] == offloaded["update"]

@@ -208,8 +208,9 @@ class LMTrainer(LMRunLifecycle):
     def _check_memory(self, model: nn.Module, ref_model: nn.Module | None, rows: int, prompt_len: int,
                       response_len: int, rows_text: str, update_rows: int | None = None) -> None:
         copies = int(self.uses_reference and ref_model is None and not is_peft_model(model))
+        shards = self.dist.world_size if self.config.fsdp and self.dist.active else 1  # fsdp: 1/K per rank
         check_lm_memory(self.config, model, rows, prompt_len, response_len, extra_models=copies,
-                        value_model=self.has_critic, rows_text=rows_text, update_rows=update_rows)
+                        value_model=self.has_critic, rows_text=rows_text, update_rows=update_rows, shards=shards)
 
     # ---------------------------------------------------------------- models
     def _init_reference(self, ref_model: nn.Module | None) -> None:
