@@ -116,9 +116,10 @@ def test_bad_config_values_name_the_field(workdir, model_dir, capsys):
         _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", flag, value)), field)
 
 
-def test_fsdp_refuses_lora_and_fp16_in_one_line_and_runs_unsharded_in_one_process(workdir, model_dir, capsys):
-    _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--fsdp", "--lora")),
-                    "--fsdp", "LoRA")
+def test_fsdp_refuses_fp16_and_offload_without_fsdp_in_one_line_and_runs_unsharded_in_one_process(workdir, model_dir,
+                                                                                                 capsys):
+    _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--fsdp-offload")),
+                    "fsdp_offload", "--fsdp")
     _one_error_line(capsys, main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--fsdp", "--dtype", "fp16")),
                     "fsdp", "bf16")
     assert main(_grpo(model_dir, "myreward:count_a", "p.jsonl", "--run-dir", "whole", "--fsdp")) == 0

@@ -35,7 +35,9 @@ class _Deferred(argparse.ArgumentParser):
         for key, value in self._defaults.items():  # handler, lm_command (set_defaults)
             setattr(namespace, key, value)
         full = full_parser(self._defaults["lm_command"])
-        namespace.lm_args = full.parse_args(list(args if args is not None else sys.argv[1:]))
+        argv = list(args if args is not None else sys.argv[1:])
+        namespace.lm_args = full.parse_args(argv)
+        namespace.lm_args.argv = argv  # what --nproc re-launches on every rank (lm_train.rank_argv)
         return namespace, []
 
 
@@ -76,9 +78,13 @@ def run(args: argparse.Namespace) -> int:
     command, full = args.lm_command, args.lm_args
     from ppokit.core.errors import ConfigError
     from ppokit.lm.durable import RUN_FAILURES
+    from ppokit.runtime import distributed, launcher
     from ppokit.runtime.checkpoint import CheckpointError
     from ppokit.runtime.logger import SinkError
     from ppokit.runtime.rundir import RunDirError
+
+    if distributed.launched():
+        launcher.watch_launcher()  # under --nproc: stop when the launcher is gone, even by kill -9
 
     try:
         if command == "demo":
@@ -92,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
         from ppokit.cli.lm_train import train
 
         return train(command, full)
+    except distributed.DistributedError as exc:
+        # A rank was lost or timed out. Under --nproc, when a peer exited, the launcher's one line names it.
+        if exc.peer_exited and launcher.supervised():
+            return 1
+        print(f"error: {exc}; the run dir keeps its last checkpoint: continue with ppokit lm {command} --resume "
+              "RUN_DIR", file=sys.stderr)
+        return 1
     except (InputError, ConfigError, RunDirError, CheckpointError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -102,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
         # Before training (loading the model) or a second Ctrl-C: the last checkpoint, if any, is intact.
         print("interrupted; the run dir keeps its last checkpoint", file=sys.stderr)
         return 130
+    finally:
+        if distributed.launched():
+            distributed.shutdown()
 
 
 
@@ -125,7 +141,8 @@ def _export(full: argparse.Namespace) -> int:
         raise InputError(f"--model: required (the model directory {run_dir} started from; its lm_run.json does "
                          "not record one)")
     if cli.get("lora"):
-        raise InputError(f"{run_dir}: a LoRA run is not sharded; its policy/ is the export")
+        raise InputError(f"{run_dir}: a LoRA run's export is its adapter, policy/, written at each train() call's "
+                         "last save; resume the run (--resume) to write it")
     model, tokenizer = load_model_dir(model_dir)
     iteration = export_policy(run_dir, model, tokenizer, Path(full.out))
     print(f"ppokit lm export: iteration {iteration} of {run_dir} -> {full.out} (from_pretrained reads it)")

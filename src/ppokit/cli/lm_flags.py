@@ -88,6 +88,10 @@ def full_parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/lm_<algo>__s<seed>__<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR (its trainer_state.pt) "
                                                        "with its config, exactly as if it had not stopped")
+    p.add_argument("--nproc", type=int, default=None, metavar="K",
+                   help="K ranks on this machine: re-launches this command under torchrun --standalone "
+                        "--nproc_per_node=K (as ppokit train --nproc does), data-parallel, or sharded with --fsdp; "
+                        "batch_prompts is per rank. For several machines run torchrun yourself with --run-dir")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of every weight; "
                                                        "pi_ref is then the base model with the adapter disabled")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")

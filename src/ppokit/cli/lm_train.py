@@ -86,20 +86,41 @@ def resume_inputs(command: str, full: argparse.Namespace):
     return run_dir, inputs
 
 
+def rank_argv(argv: list[str], run_dir) -> list[str]:
+    """``argv`` (a ``ppokit lm ALGO`` command line) for each rank of ``--nproc``: without ``--nproc K`` (or an
+    abbreviation argparse accepted), with ``--run-dir`` when the run dir was chosen here (a default one is named by
+    the clock, which each rank would read apart)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if len(name) > 3 and "--nproc".startswith(name):
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    if run_dir is not None and "--run-dir" not in {a.split("=", 1)[0] for a in out}:
+        out.append(f"--run-dir={run_dir}")
+    return out
+
+
 def train(command: str, full: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ppokit.core import schema as S
+    from ppokit.runtime import distributed
+    from ppokit.runtime.launcher import launch
 
     if full.iterations is not None and full.iterations < 1:
         raise InputError(f"--iterations {full.iterations}: must be a positive integer")
+    if full.nproc is not None and full.nproc < 1:
+        raise InputError(f"--nproc {full.nproc}: must be a positive number of processes")
     if full.resume:
         run_dir, inputs = resume_inputs(command, full)
         config = None
     else:
         config = config_from_args(full)  # before any model is loaded: a bad value costs nothing
-        if full.lora and config.fsdp:  # lm.fsdp shards whole models; an adapter over a sharded base is not done
-            raise InputError("--fsdp: does not shard a LoRA (peft) policy yet; drop --lora or --fsdp")
         for key in ("model", *DATA_FLAGS.get(command, ("reward", "prompts"))):
             if not getattr(full, key) and not (key == "reward" and getattr(full, "reward_model", None)):
                 raise InputError(f"--{key}: required (ppokit lm {command} --help lists the options)")
@@ -119,6 +140,10 @@ def train(command: str, full: argparse.Namespace) -> int:
     reward = None
     for key in DATA_FLAGS.get(command, ("prompts",)):
         load_rows(key, inputs[key])  # a bad file is refused before the model is loaded
+    if full.nproc is not None and full.nproc > 1 and not distributed.launched():
+        # This process only waits for torchrun's ranks (ppokit train --nproc's launcher: signals passed on, a lost
+        # rank named in one line, no rank left behind); each rank runs this command without --nproc.
+        return launch(full.nproc, ["lm", command, *rank_argv(full.argv, None if full.resume else run_dir)])
     if command not in DATA_FLAGS:
         reward = load_rewards(inputs["reward"], inputs["reward_model"], inputs["reward_weights"],
                               config.device if config is not None else "cpu")
@@ -149,9 +174,10 @@ def train(command: str, full: argparse.Namespace) -> int:
     trainer.run_info = {**inputs, **{k: str(Path(inputs[k]).resolve()) for k in ("model", "pairs", "prompts",
                                                                                  "data") if k in inputs}}
     total = inputs["iterations"]
+    say = print if trainer.dist.is_main else (lambda *a, **k: None)  # under torchrun: rank 0 tells
     if trainer.iteration >= total:
         trainer.close()
-        print(f"ppokit lm {command}: {run_dir} is already at iteration {trainer.iteration} of {total}; give a "
+        say(f"ppokit lm {command}: {run_dir} is already at iteration {trainer.iteration} of {total}; give a "
               "larger --iterations to continue it")
         return 0
     try:
@@ -176,11 +202,11 @@ def train(command: str, full: argparse.Namespace) -> int:
     if trainer.interrupted:
         import signal
 
-        print(f"ppokit lm {command}: stopped by {trainer.interrupted} after iteration {trainer.iteration} of {total}; "
+        say(f"ppokit lm {command}: stopped by {trainer.interrupted} after iteration {trainer.iteration} of {total}; "
               f"saved {run_dir / 'trainer_state.pt'}; continue with: {again}")
         return 128 + int(signal.Signals[trainer.interrupted])
-    print(f"ppokit lm {command}: {trainer.iteration} iterations, {summary}")
-    print(f"saved: {run_dir / trainer.model_dir} (from_pretrained reads it); diagnose: ppokit doctor {run_dir}")
+    say(f"ppokit lm {command}: {trainer.iteration} iterations, {summary}")
+    say(f"saved: {run_dir / trainer.model_dir} (from_pretrained reads it); diagnose: ppokit doctor {run_dir}")
     return 0
 
 

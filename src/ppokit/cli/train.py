@@ -214,7 +214,7 @@ def _launch(args: argparse.Namespace) -> int:
     For several machines run torchrun directly (README: Data-parallel training)."""
     from ppokit.runtime.launcher import launch
 
-    return launch(args.nproc, _child_argv(args))
+    return launch(args.nproc, ["train", *_child_argv(args)])
 
 
 def _child_argv(args: argparse.Namespace) -> list[str]:

@@ -32,7 +32,7 @@ from ppokit.diagnostics.monitor import Monitor
 from ppokit.lm.alerts import LMAlerts
 from ppokit.lm.backends import make_generator
 from ppokit.lm.checks import check_context, check_lm_memory, check_tokenizer, warn_half_precision
-from ppokit.lm.config import ConfigError, LMConfig
+from ppokit.lm.config import LMConfig
 from ppokit.lm.durable import CHECKPOINT, LMRunLifecycle
 from ppokit.lm.fsdp import full, full_state, gathered, load_full_state, shard, shard_optimizer_state
 from ppokit.lm.generation import SamplingSettings, stop_token_ids
@@ -56,7 +56,7 @@ from ppokit.runtime import distributed
 from ppokit.runtime.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ppokit.runtime.rundir import POLICY_DIR
 
-__all__ = ["LMTrainer", "is_peft_model", "disable_dropout", "adamw"]
+__all__ = ["LMTrainer", "is_peft_model", "disable_dropout", "adamw", "enable_checkpointing"]
 
 _EVAL_SEED_OFFSET = 7_919  # evaluate()/generate() sample from seed + this, apart from training's stream
 
@@ -82,6 +82,26 @@ def adamw(params: list, lr: float, weight_decay: float) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except (RuntimeError, ValueError, TypeError):  # an older torch, or a device / dtype without the kernel
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def enable_checkpointing(model: nn.Module, use_reentrant: bool = False) -> None:
+    """transformers' gradient checkpointing of every transformer block (its ``GradientCheckpointingLayer``s): a
+    block's activations are dropped after its forward and recomputed in its backward (in training mode only).
+
+    Under fsdp it composes with FSDP2 as it is, rather than torch's ``checkpoint_wrapper``, which would rename
+    every parameter (``_checkpoint_wrapped_module.``) in the state dicts, the sharded checkpoints and
+    ``save_pretrained``: transformers 5 checkpoints the block's ``forward``, inside the hooks ``fully_shard`` puts
+    on its ``__call__`` (4.x checkpoints ``__call__``; FSDP2's hooks then return at once in the recomputation, in
+    their pre-backward state), so the block's all-gather runs once in the forward and once (FSDP's pre-backward) before
+    its recomputation, as with torchtitan's wrapper (tests/test_lm_fsdp_options.py counts the recomputation).
+    Non-reentrant (``use_reentrant=False``, PyTorch's recommended kind): the recomputation is part of the one
+    autograd graph whose hooks FSDP2 uses to reduce-scatter each block's gradient, where the reentrant kind runs the
+    block's forward without a graph and its backward in a nested ``backward`` call."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name; the old one warns it goes in v6
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _fingerprint(model: nn.Module) -> str:
@@ -138,10 +158,7 @@ class LMTrainer(LMRunLifecycle):
             fuse_activations(self.policy)
         self.dist.prepare(self.policy, None, [])  # every rank starts from rank 0's weights (pi_ref included)
         if cfg.gradient_checkpointing:
-            # transformers 5 renamed it (the old name warns that it goes in v6).
-            enable = (getattr(self.policy, "activation_checkpointing_enable", None)
-                      or self.policy.gradient_checkpointing_enable)
-            enable()
+            enable_checkpointing(self.policy)
         self._adapter_ref = False
         self.ref_model: nn.Module | None = None
         if self.uses_reference:
@@ -151,11 +168,9 @@ class LMTrainer(LMRunLifecycle):
         # fsdp under torchrun: the models sharded per block, now that every rank holds rank 0's weights (lm.fsdp).
         self.sharded = cfg.fsdp and self.dist.active
         if self.sharded:
-            if is_peft_model(self.policy):
-                raise ConfigError("fsdp", "does not shard a LoRA (PEFT) policy yet; drop --lora or --fsdp")
             for m in (self.policy, self.ref_model, getattr(self, "value_model", None)):
                 if m is not None:
-                    shard(m, cfg.dtype)
+                    shard(m, cfg.dtype, offload=cfg.fsdp_offload)
         self.reward = None if reward is None else make_reward(reward, tokenizer, cfg.micro_batch_size)
         # The sampling backend (a ``generation.Generator``); replaceable, e.g. by a test's scripted one.
         self.backend = make_generator(cfg.sampler)
@@ -193,8 +208,9 @@ class LMTrainer(LMRunLifecycle):
     def _check_memory(self, model: nn.Module, ref_model: nn.Module | None, rows: int, prompt_len: int,
                       response_len: int, rows_text: str, update_rows: int | None = None) -> None:
         copies = int(self.uses_reference and ref_model is None and not is_peft_model(model))
+        shards = self.dist.world_size if self.config.fsdp and self.dist.active else 1  # fsdp: 1/K per rank
         check_lm_memory(self.config, model, rows, prompt_len, response_len, extra_models=copies,
-                        value_model=self.has_critic, rows_text=rows_text, update_rows=update_rows)
+                        value_model=self.has_critic, rows_text=rows_text, update_rows=update_rows, shards=shards)
 
     # ---------------------------------------------------------------- models
     def _init_reference(self, ref_model: nn.Module | None) -> None:
@@ -273,7 +289,8 @@ class LMTrainer(LMRunLifecycle):
             self.sync([p.grad for p in params if p.grad is not None], [loss])
         self.precision.unscale(self.optimizer)
         grad_norm = full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))  # sharded: over every shard
-        loss_v, grad_v = torch.stack([loss, grad_norm.float()]).tolist()
+        # fsdp_offload: the gradients, and so their norm, are in CPU memory.
+        loss_v, grad_v = torch.stack([loss, grad_norm.float().to(loss.device)]).tolist()
         skipped = not (math.isfinite(loss_v) and math.isfinite(grad_v))
         if skipped:
             self.optimizer.zero_grad(set_to_none=False)

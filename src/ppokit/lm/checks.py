@@ -126,7 +126,8 @@ def _model_sizes(model: Any) -> tuple[int, int, int, int, int, int]:
 
 
 def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, response_len: int, *,
-                       extra_models: int, value_model: bool, update_rows: int | None = None) -> dict[str, int]:
+                       extra_models: int, value_model: bool, update_rows: int | None = None,
+                       shards: int = 1) -> dict[str, int]:
     """Bytes a run needs beyond the models already loaded, roughly and on the low side (so a run that fits is
     never refused): ``models`` (the copies the trainer makes and AdamW's two moments and the gradient of every
     trainable weight), ``rollout`` (sampling ``rows`` sequences: the KV cache and the log-prob forwards' float32
@@ -134,7 +135,9 @@ def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, resp
     activations per token and layer, the standard transformer count without the attention scores).
     ``update_rows`` is how many sequences one backward pass holds: by default a minibatch of the rollout
     (``rows / num_minibatches``) or its micro-batch (``micro_batch_size``); the trainers without epochs (DPO, SFT,
-    RM) give theirs (a micro-batch of pairs is two sequences each).
+    RM) give theirs (a micro-batch of pairs is two sequences each). ``shards``: the ranks an fsdp run shards the
+    models over (``lm.fsdp``): each holds ``1/shards`` of the copies, gradients and moments, and none of them on the
+    device with ``fsdp_offload`` (in host memory).
 
     Measured on the 10M-parameter tiny GPT-2 (GRPO, 8 x 8 completions of 32 tokens, 2 minibatches, CPU): 362 MiB
     estimated, 427 MiB of peak RSS growth over two iterations."""
@@ -142,6 +145,8 @@ def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, resp
     L, R = prompt_len + response_len, response_len
     critic = 2 if value_model else 1  # PPO's critic is a copy of the trunk, trained too
     models = extra_models * n * itemsize + critic * trainable * (2 * 4 + itemsize)
+    if shards > 1:
+        models = 0 if getattr(config, "fsdp_offload", False) else models // shards
     # The no-gradient forwards (pi_old, pi_ref, values) hold one micro-batch's logits at a time.
     micro = getattr(config, "micro_batch_size", None) or rows
     rollout = rows * 2 * layers * L * hidden * itemsize + min(rows, micro) * R * vocab * 4 + rows * L * 4 * 16
@@ -154,10 +159,10 @@ def estimate_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, resp
 
 
 def check_lm_memory(config: Any, model: Any, rows: int, prompt_len: int, response_len: int, *, extra_models: int,
-                    value_model: bool, rows_text: str, update_rows: int | None = None) -> None:
+                    value_model: bool, rows_text: str, update_rows: int | None = None, shards: int = 1) -> None:
     """``ConfigError`` naming the batch field when ``estimate_lm_memory`` exceeds the memory available now."""
     parts = estimate_lm_memory(config, model, rows, prompt_len, response_len, extra_models=extra_models,
-                               value_model=value_model, update_rows=update_rows)
+                               value_model=value_model, update_rows=update_rows, shards=shards)
     need, have = sum(parts.values()), available_memory(config.device)
     if have is None or need <= have:
         return

@@ -126,7 +126,10 @@ class LMConfig:
     # --- memory ---
     offload_rollout: bool = _f(False, "keep rollout tensors (log-probs, masks, values) in CPU memory and move them "
                                "to the device per minibatch")
-    gradient_checkpointing: bool = _f(False, "enable the model's gradient checkpointing during the update")
+    gradient_checkpointing: bool = _f(False, "recompute each transformer block's activations in the backward "
+                                      "instead of keeping them (transformers' non-reentrant checkpointing; with "
+                                      "fsdp, per sharded block): activation memory of one block, about one more "
+                                      "forward of time per update")
     micro_batch_size: int | None = _f(None, "rows per forward pass: the no-gradient passes (pi_old, pi_ref, values, a "
                                       "reward model) run in chunks of this many sequences and every update step "
                                       "accumulates the gradients of its minibatch over them, each weighted by its "
@@ -135,6 +138,11 @@ class LMConfig:
     fsdp: bool = _f(False, "under torchrun (or --nproc K): shard the policy, pi_ref and the value model over the "
                     "ranks with FSDP2 (fully_shard per transformer block, then the root), so each rank holds 1/K of "
                     "their weights, gradients and AdamW states (ppokit.lm.fsdp); in one process it runs unsharded")
+    fsdp_offload: bool = _f(False, "with fsdp: keep each rank's shards of the weights, their gradients and AdamW's "
+                            "states in CPU memory (FSDP2's CPUOffloadPolicy), each block's weights copied to the "
+                            "device for its forward and backward and AdamW stepping on the CPU; it saves device "
+                            "memory only with a GPU (device cuda): on a CPU-only machine everything is in CPU memory "
+                            "already and the run is the same, a little slower")
     # --- output ---
     log_every: int = _f(10, "print a metrics table every this many iterations (with a run dir)")
     save_every: int = _f(10, "with a run dir, write a resumable checkpoint (trainer_state.pt and policy/; fsdp "
@@ -258,6 +266,7 @@ class LMConfig:
 
         check_device(self.device)
         need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.fsdp or not self.fsdp_offload, "fsdp_offload", "offloads FSDP's shards: add --fsdp")
         need(not (self.fsdp and self.dtype == "fp16"), "fsdp",
              "runs with dtype bf16 or fp32 (FSDP2's mixed precision), not fp16; use --dtype bf16")
         from ppokit.lm.precision import autocast_problem

@@ -1,6 +1,6 @@
 """FSDP2 for the LM trainers (``LMConfig.fsdp``): the policy, pi_ref and the critic sharded over the ranks.
 
-Under torchrun (or ``--nproc K``) each model is wrapped by torch's ``fully_shard`` (FSDP2, Zhao et al. 2023,
+Under torchrun (or ``ppokit lm ALGO --nproc K``, which starts torchrun through ``runtime.launcher``) each model is wrapped by torch's ``fully_shard`` (FSDP2, Zhao et al. 2023,
 "PyTorch FSDP") per transformer block (the classes the model lists in ``_no_split_modules``: ``LlamaDecoderLayer``,
 ``GPT2Block``), then at its root (embeddings, final norm, LM head). Each rank keeps ``1/K`` of every parameter as
 a ``DTensor`` shard, so AdamW's two moments and the gradient are ``1/K`` too; a block's full weights exist only
@@ -11,6 +11,20 @@ alone (``Dist.stats_sync``): gradients are never reduced twice.
 ``dtype bf16``: FSDP's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: blocks all-gather and compute
 in bf16, gradients are reduced in float32 into the float32 shards that AdamW steps (master weights). fp16 is
 refused (its ``GradScaler`` is not wired for sharded gradients here).
+
+Gradient checkpointing (``gradient_checkpointing``): transformers' own, per block, non-reentrant
+(``base.enable_checkpointing``, which says why it composes with ``fully_shard`` and torch's ``checkpoint_wrapper``
+would not fit): a block's activations are recomputed in its backward, after FSDP's pre-backward all-gather.
+
+CPU offload (``fsdp_offload``): FSDP2's ``CPUOffloadPolicy``: the shards, their gradients and so AdamW's moments
+(the optimizer is built on the sharded parameters) live in host memory; a block's shards are copied to the device
+for its all-gather and its gradient back after its reduce-scatter, and AdamW steps on the CPU. It frees the device
+of ``16 N / K`` bytes per rank (fp32 with AdamW) for host memory and PCIe traffic; on a CPU-only machine nothing
+moves and the run is the same.
+
+LoRA: the peft adapter is applied before ``shard``, so its matrices are parameters of the blocks they sit in and
+are sharded with the frozen base weights (FSDP2 shards each parameter on its own, trainable or not); only the
+adapter has gradients and AdamW states. pi_ref stays the sharded policy with its adapter disabled.
 
 Generation: ``gathered(model)`` all-gathers every block's full weights once before sampling and frees them after.
 A rank then samples without any collective, so ranks whose completions end at different steps do not wait for one
@@ -44,27 +58,33 @@ __all__ = ["transformer_blocks", "shard", "is_sharded", "gathered", "local_bytes
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's transformer blocks in order: modules whose class one of its modules names in
-    ``_no_split_modules`` (transformers' list of the blocks a device map must not split)."""
+    ``_no_split_modules`` (transformers' list of the blocks a device map must not split). A sharded model's blocks
+    too: ``fully_shard`` gives each one a subclass (``FSDPLlamaDecoderLayer``) of its class."""
     names: set[str] = set()
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
         raise ValueError(f"fsdp: {type(model).__name__} names no transformer block class (_no_split_modules); "
                          "FSDP shards a model per block")
     return blocks
 
 
-def shard(model: nn.Module, dtype: str = "fp32") -> nn.Module:
+def shard(model: nn.Module, dtype: str = "fp32", offload: bool = False) -> nn.Module:
     """``fully_shard`` on each transformer block, then on the root (in place; the same object is returned).
 
     Every rank must hold the same weights before (the trainers broadcast rank 0's): rank ``r`` keeps chunk ``r``
-    of each parameter's first dimension."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    of each parameter's first dimension. ``offload``: the shards (and so their gradients, and the moments of an
+    optimizer built on them afterwards) in CPU memory, pinned when the model is on CUDA."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
     if dtype == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        # Pinned host memory is what lets the copies overlap compute, and it only exists beside a CUDA device.
+        on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=on_cuda)
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=True, **kwargs)
     # The root's weights (embeddings, LM head) are the first the backward needs: kept after its forward

@@ -1,4 +1,5 @@
-"""``ppokit train --nproc K``: K ranks under torchrun on this machine, stopped together, a lost rank in one line.
+"""``ppokit train --nproc K`` and ``ppokit lm ALGO --nproc K``: K ranks under torchrun on this machine, stopped
+together, a lost rank in one line.
 
 Three generations: this launcher -> torchrun's agent (``python -m ppokit.runtime.launcher``: ``torch.distributed.run``
 with its failure report replaced) -> the K ranks (torchrun starts each in its own session).
@@ -45,9 +46,10 @@ def supervised() -> bool:
 
 
 def launch(nproc: int, argv: list[str]) -> int:
-    """Run ``ppokit train ARGV`` as ``nproc`` ranks under torchrun; the exit code (130/143 after SIGINT/SIGTERM)."""
+    """Run ``ppokit ARGV`` (``["train", ...]``, ``["lm", "grpo", ...]``) as ``nproc`` ranks under torchrun; the exit
+    code (130/143 after SIGINT/SIGTERM)."""
     cmd = [sys.executable, "-m", "ppokit.runtime.launcher", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "ppokit", "train", *argv]
+           "-m", "ppokit", *argv]
     # The grace by the variable, not --shutdown_timeout: torch releases without that flag read neither and keep
     # their 30 s (the launcher's own deadline still bounds the wait).
     env = {**os.environ, PIPE_VAR: "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_S)}
@@ -88,10 +90,11 @@ def launch(nproc: int, argv: list[str]) -> int:
     return 128 + received[0] if received else rc
 
 
-def describe_failures(exitcodes: dict[int, int], world_size: int) -> str | None:
+def describe_failures(exitcodes: dict[int, int], world_size: int, command: str = "ppokit train") -> str | None:
     """The one line for the ranks that failed (rank -> exit code, negative: killed by that signal), or None when
     each has said why itself (``SELF_REPORTED``). A rank killed by SIGTERM beside another failure was stopped by
-    torchrun (the survivors of a lost rank are): the other is the news."""
+    torchrun (the survivors of a lost rank are): the other is the news. ``command``: the ranks' command, which
+    the line tells how to resume."""
     others = {r: c for r, c in exitcodes.items() if c != -signal.SIGTERM}
     exitcodes = others or exitcodes
     told = []
@@ -107,7 +110,7 @@ def describe_failures(exitcodes: dict[int, int], world_size: int) -> str | None:
     if not told:
         return None
     return ("; ".join(told) + "; the other ranks were stopped; rank 0's last checkpoint is whole: continue with "
-            f"ppokit train --nproc {world_size} --resume RUN_DIR")
+            f"{command} --nproc {world_size} --resume RUN_DIR")
 
 
 def watch_launcher(agent: bool = False) -> None:
@@ -210,7 +213,8 @@ def _agent(argv: list[str]) -> int:
         return 130
     except ChildFailedError as exc:
         codes = {rank: f.exitcode for rank, f in exc.failures.items()}  # by global rank
-        line = describe_failures(codes, int(args.nproc_per_node))
+        words = [w for w in args.training_script_args[:2] if not w.startswith("-")]  # train | lm grpo
+        line = describe_failures(codes, int(args.nproc_per_node), " ".join(["ppokit", *words]))
         if line:
             print(f"error: {line}", file=sys.stderr, flush=True)
         return 130 if set(codes.values()) == {130} else 1  # every rank interrupted (and saved): not a failure

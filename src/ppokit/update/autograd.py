@@ -114,6 +114,7 @@ class AutogradGuards:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP-sharded gradients: the norm over every rank's shards
             grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.to(self._loss.device)  # CPU-offloaded (FSDP) gradients: a CPU norm
         loss_v, grad_v, kl_v = torch.stack([self._loss.detach().float(), grad_norm.float(),
                                             self._stats["approx_kl"].float()]).tolist()
         return grad_norm, loss_v, grad_v, kl_v
