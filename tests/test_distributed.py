@@ -455,6 +455,70 @@ def test_two_rank_lm_trainers_keep_the_ranks_identical_after_every_update(tmp_pa
     assert sorted(out) == ["dpo", "grpo", "ppo"]
 
 
+STATS_SCRIPT = '''
+import json, os, sys
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+from ppokit.core import schema as S
+from ppokit.lm import DPOTrainer, LMConfig, RewardModelTrainer
+from ppokit.lm.tiny import build_tiny
+PAIRS = [("X:", "XX", "AB"), ("A:", "XA", "BB"), ("AB:", "XXX", "A"), ("B:", "X", "BA"), ("BX:", "XAX", "BBA")]
+KEYS = {"dpo": [S.DPO_PREF_ACCURACY, S.DPO_REWARD_MARGIN, S.DPO_CHOSEN_REWARD, S.DPO_REJECTED_REWARD],
+        "rm": [S.RM_ACCURACY, S.RM_MARGIN, S.RM_LOSS]}
+
+
+def run(kind, seed):
+    cfg = LMConfig(learning_rate=3e-2, batch_prompts=4, beta=0.5, tensorboard=False, console=False)
+    model, tok = build_tiny("ABX:", pad_is_eos=True, seed=seed)
+    Trainer = DPOTrainer if kind == "dpo" else RewardModelTrainer
+    t = Trainer(model, tok, PAIRS[:4] if kind == "dpo" else PAIRS, config=cfg)
+    rows = [[m[k] for k in KEYS[kind]] for m in (t.step() for _ in range(3))]
+    t.close()
+    return rows
+
+
+if __name__ == "__main__":
+    out = {}
+    for kind in ("dpo", "rm"):
+        rows = run(kind, seed=int(os.environ["RANK"]))  # the start-up broadcast makes rank 1's model rank 0's
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
+        out[kind] = gathered
+    if dist.get_rank() == 0:
+        json.dump(out, open(sys.argv[1], "w"))
+'''
+
+
+@pytest.mark.slow
+def test_two_rank_dpo_and_reward_model_log_the_whole_batchs_accuracy_and_margins(tmp_path):
+    """Each rank of a 2-rank DPO or reward-model run trains on its 2 of the 4 pairs; the step's preference
+    accuracy, margins and implicit rewards it logs are those of all 4, as one process logs them (each rank's
+    own half differs once the policy has moved)."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    import importlib.util
+    import json
+
+    script = tmp_path / "lm_stats.py"
+    script.write_text(STATS_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(tmp_path / "stats.json")]
+    proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
+    _ok(proc)
+    out = json.loads((tmp_path / "stats.json").read_text())
+    spec = importlib.util.spec_from_file_location("lm_stats", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.set_num_threads(1)
+    for kind in ("dpo", "rm"):
+        rank0, rank1 = out[kind]
+        one = mod.run(kind, seed=0)
+        assert rank0 == rank1, kind  # every rank logs the same numbers
+        flat = [v for row in rank0 for v in row]
+        assert flat == pytest.approx([v for row in one for v in row], rel=1e-4, abs=1e-5), (kind, rank0, one)
+        assert len({tuple(r) for r in one}) == 3, (kind, one)  # the statistics moved with the policy
+
+
 def test_shard_splits_whole_items_and_refuses_an_uneven_split():
     assert Dist(rank=1, world_size=2).shard(["a", "b", "c", "d"]) == ["c", "d"]
     assert distributed.LOCAL.shard(["a", "b", "c"]) == ["a", "b", "c"]

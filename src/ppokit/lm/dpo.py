@@ -174,10 +174,13 @@ class DPOTrainer(LMTrainer):
         with self._training_mode():
             loss_v, grad_v, skipped = self._apply(parts())
         self.completions += 2 * n * self.dist.world_size
+        # Each rank measured its share of the pairs (the loss is averaged with the gradients): the whole batch's.
+        accuracy, margin, chosen, rejected = self.dist.means(
+            [float(stats[k]) for k in ("accuracy", "margin", "chosen_rewards", "rejected_rewards")])
         metrics = {
             S.POLICY_LOSS: loss_v, S.GRAD_NORM: grad_v, S.SKIPPED_MINIBATCHES: float(skipped),
             S.LEARNING_RATE: float(self.optimizer.param_groups[0]["lr"]),
-            S.DPO_PREF_ACCURACY: float(stats["accuracy"]), S.DPO_REWARD_MARGIN: float(stats["margin"]),
-            S.DPO_CHOSEN_REWARD: float(stats["chosen_rewards"]), S.DPO_REJECTED_REWARD: float(stats["rejected_rewards"]),
+            S.DPO_PREF_ACCURACY: accuracy, S.DPO_REWARD_MARGIN: margin,
+            S.DPO_CHOSEN_REWARD: chosen, S.DPO_REJECTED_REWARD: rejected,
         }
         return self._finish(metrics, started, {})

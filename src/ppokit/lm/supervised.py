@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ppokit.core import schema as S
-from ppokit.lm.base import LMTrainer, _quiet_progress, adamw
+from ppokit.lm.base import LMTrainer, adamw
 from ppokit.lm.checks import check_pairs_context
 from ppokit.lm.data import numbered_rows, read_rows, to_pair, to_sft_example
 from ppokit.lm.dpo import encode_responses
@@ -135,22 +134,33 @@ class SFTTrainer(_RowTrainer):
 
 def reward_model_from(model: nn.Module, tokenizer: Any, seed: int = 0) -> nn.Module:
     """An ``AutoModelForSequenceClassification`` with one output from a causal LM's config and weights (its
-    transformer body; the score head is new, drawn from ``seed``); a classification model is returned as is."""
+    transformer body; the score head is new, drawn from ``seed``); a classification model is returned as is.
+
+    Built in memory (``from_config``, then the body's weights loaded), not by a ``save_pretrained`` /
+    ``from_pretrained`` round trip: under torchrun transformers writes a model's files on rank 0 alone, so every
+    other rank would read an empty directory."""
+    import copy
+
     from transformers import AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
 
     if getattr(getattr(model, "config", None), "num_labels", None) == 1 and hasattr(model, "score"):
         out = model
     else:
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # "some weights were newly initialized": the head, by design
-        try:
-            with tempfile.TemporaryDirectory() as d, torch.random.fork_rng(), _quiet_progress():
-                torch.manual_seed(seed)
-                model.save_pretrained(d)
-                out = AutoModelForSequenceClassification.from_pretrained(d, num_labels=1)
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        config = copy.deepcopy(model.config)
+        config.num_labels = 1
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            out = AutoModelForSequenceClassification.from_config(config)
+        first = next(model.parameters())
+        out.to(dtype=first.dtype, device=first.device).eval()  # as from_pretrained returns a model
+        lm_head = {f"{name}.{p}" for name, m in model.named_modules() if m is model.get_output_embeddings()
+                   for p, _ in m.named_parameters()}
+        missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
+        body_missing = [k for k in missing if not k.startswith("score.")]
+        if body_missing or set(unexpected) - lm_head:
+            raise ValueError(f"reward model from {type(model).__name__}: its weights do not map onto "
+                             f"{type(out).__name__} (missing {body_missing[:3]}, unexpected "
+                             f"{sorted(set(unexpected) - lm_head)[:3]})")
     # The classifier finds each row's last token from pad_token_id (transformers' *ForSequenceClassification).
     pad = getattr(tokenizer, "pad_token_id", None)
     out.config.pad_token_id = pad if pad is not None else getattr(tokenizer, "eos_token_id", None)
@@ -248,8 +258,10 @@ class RewardModelTrainer(_RowTrainer):
             loss_v, grad_v, skipped = self._apply(parts())
         margin = torch.cat(margins)
         self.completions += 2 * len(rows) * self.dist.world_size
-        metrics = {S.RM_LOSS: loss_v, S.RM_ACCURACY: float((margin > 0).float().mean()),
-                   S.RM_MARGIN: float(margin.mean()), S.RM_EVAL_ACCURACY: self.accuracy(),
+        # Each rank scored its share of the pairs (the loss is averaged with the gradients): the whole batch's.
+        accuracy, mean_margin = self.dist.means([float((margin > 0).float().mean()), float(margin.mean())])
+        metrics = {S.RM_LOSS: loss_v, S.RM_ACCURACY: accuracy, S.RM_MARGIN: mean_margin,
+                   S.RM_EVAL_ACCURACY: self.accuracy(),
                    **self._base_metrics(grad_v, skipped)}
         return self._finish(metrics, started, {})
 

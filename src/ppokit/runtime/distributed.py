@@ -275,7 +275,15 @@ class Dist:
 
     def mean(self, value: float) -> float:
         """``value`` averaged over the ranks."""
-        return self._reduce([value])[0] / self.world_size if self.active else value
+        return self.means([value])[0]
+
+    def means(self, values: list[float]) -> list[float]:
+        """Each of ``values`` averaged over the ranks, in one all-reduce: a step's statistics measured on each
+        rank's equal share of the rows (DPO's and the reward model's accuracy and margins) become the whole
+        batch's, as one process would log them."""
+        if not self.active:
+            return list(values)
+        return [v / self.world_size for v in self._reduce(list(values))]
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on one (a Ctrl-C reaching one rank stops all of them together)."""
