@@ -157,7 +157,7 @@ def test_grpo_loss_is_the_policy_loss_minus_ent_coef_entropy_at_the_configs_temp
     t.step()
     mb = seen[0][0]
     params = [p for p in t.policy.parameters() if p.requires_grad]
-    loss, _ = t._loss(mb)
+    loss, stats = t._loss(mb)
     got = torch.autograd.grad(loss, params)
     logp, entropy = token_logprobs(t.policy, mb.input_ids, mb.attention_mask, mb.n_response, temperature,
                                    with_entropy=True)
@@ -166,6 +166,8 @@ def test_grpo_loss_is_the_policy_loss_minus_ent_coef_entropy_at_the_configs_temp
     surrogate = torch.min(ratio * mb.advantages, ratio.clamp(0.8, 1.2) * mb.advantages)
     want = (torch.where(mask, -surrogate - ent_coef * entropy, 0.0)).sum() / n
     assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    # The logged entropy is the mean over the real tokens (some completions end early: padding is left out).
+    assert not mask.all() and float(stats["entropy"]) == pytest.approx(float(entropy[mask].mean()), rel=1e-5)
     ref = torch.autograd.grad(want, params, retain_graph=True)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(got, ref))
     # The entropy's share of the gradient is not negligible here, so a detached entropy would show.
