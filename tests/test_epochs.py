@@ -169,6 +169,22 @@ def test_one_permutation_per_epoch_and_tensor_split_chunks(B, parts, epochs):
     assert torch.equal(g.get_state(), ref.get_state())
 
 
+def test_the_permutation_is_drawn_on_the_batchs_device():
+    """A CUDA batch is indexed by a CUDA permutation (not the default device's). The "meta" device stands in for
+    CUDA on a CPU-only machine: the minibatch indices must be meta tensors like the batch."""
+    devices = []
+
+    class Recording(ScriptedStep):
+        def minibatches(self, perm, sizes):
+            devices.append(perm.device)
+            yield from super().minibatches(perm, sizes)
+
+    z = torch.zeros(4, device="meta")
+    batch = Batch(torch.zeros(4, 2, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"), z, z, z, z)
+    out = ppo_epochs(batch, settings(num_minibatches=2, update_epochs=2), Recording([(1.0, 0.0)] * 4))
+    assert devices == [torch.device("meta")] * 2 and out["minibatches"] == 4.0
+
+
 # ------------------------------------------------------------------ the guards through both real steps
 def make_policy(dtype) -> ActorCritic:
     torch.manual_seed(0)

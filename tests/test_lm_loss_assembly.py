@@ -140,3 +140,36 @@ def test_the_advantages_reaching_the_epoch_loop_are_whitened_over_real_tokens(wh
         assert torch.equal(adv[~mask], torch.zeros_like(adv[~mask]))  # padding carries no advantage
     else:
         assert abs(float(mean)) > 0.5  # the scores' offset of 3 is still in them: the whitened check can tell
+
+
+def test_grpo_loss_is_the_policy_loss_minus_ent_coef_entropy_at_the_configs_temperature_and_dapo_count(base):
+    """GRPO's ``_loss`` with an entropy bonus (0 < ent_coef < 1), a temperature other than 1 and loss_type dapo:
+    value and gradient equal ``policy loss - ent_coef * entropy``, both recomputed here from the model at that
+    temperature and reduced over the rollout's tokens per minibatch. An entropy without gradient, the
+    temperature left out or dapo's count not passed each fail it."""
+    model, tok = base
+    policy = copy.deepcopy(model)
+    ent_coef, temperature = 0.5, 0.7
+    cfg = LMConfig(**FAST, beta=0.0, update_epochs=1, num_minibatches=1, ent_coef=ent_coef,
+                   temperature=temperature, loss_type="dapo")
+    t = GRPOTrainer(policy, tok, reward=offset_reward, prompts=PROMPTS, config=cfg)
+    seen = _record(t)
+    t.step()
+    mb = seen[0][0]
+    params = [p for p in t.policy.parameters() if p.requires_grad]
+    loss, stats = t._loss(mb)
+    got = torch.autograd.grad(loss, params)
+    logp, entropy = token_logprobs(t.policy, mb.input_ids, mb.attention_mask, mb.n_response, temperature,
+                                   with_entropy=True)
+    mask, n = mb.response_mask, t._tokens_per_minibatch
+    ratio = (logp - mb.logp_old).exp()
+    surrogate = torch.min(ratio * mb.advantages, ratio.clamp(0.8, 1.2) * mb.advantages)
+    want = (torch.where(mask, -surrogate - ent_coef * entropy, 0.0)).sum() / n
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    # The logged entropy is the mean over the real tokens (some completions end early: padding is left out).
+    assert not mask.all() and float(stats["entropy"]) == pytest.approx(float(entropy[mask].mean()), rel=1e-5)
+    ref = torch.autograd.grad(want, params, retain_graph=True)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(got, ref))
+    # The entropy's share of the gradient is not negligible here, so a detached entropy would show.
+    no_bonus = torch.autograd.grad(torch.where(mask, -surrogate, 0.0).sum() / n, params)
+    assert max(float((a - b).abs().max()) for a, b in zip(ref, no_bonus)) > 1e-4

@@ -82,6 +82,12 @@ def test_loss_type_dapo_divides_the_token_sum_by_the_rollouts_tokens_per_minibat
     hand = sum(map(sum, rows)) / 17.5
     loss, _ = _loss(LMConfig(loss_type="dapo"), logp, logp_old, adv, mask, tokens=17.5)
     assert float(loss) == pytest.approx(hand, rel=1e-12)
+    # Without a positive token count there is nothing to divide by: one error line, not a TypeError mid-update.
+    cfg = LMConfig(loss_type="dapo").validate()
+    for tokens in (None, 0.0, -3.0):
+        with pytest.raises(ValueError, match=r"^loss_type dapo needs the rollout's tokens per minibatch"):
+            settings_for(cfg, beta=0.0, tokens_per_minibatch=tokens)
+    assert settings_for(cfg, beta=0.0, tokens_per_minibatch=0.5).normalizer == 0.5  # a fraction of a token is > 0
 
 
 def test_loss_type_conflicting_with_loss_reduction_and_bad_names_are_refused_naming_the_field():
@@ -105,6 +111,16 @@ def test_epsilon_high_widens_only_the_upper_clip():
     assert freed.any()
     loss.backward()
     assert torch.all(logp.grad[freed] != 0)
+    # The lower clip stays 1 - clip_coef: with A < 0 a ratio under 0.8 is clipped (no gradient).
+    logp, logp_old, adv, mask = _tokens(0, spread=0.6)
+    loss, _ = _loss(cfg, logp, logp_old, adv, mask)
+    rows = _hand_terms(logp.detach(), logp_old, adv, mask, 0.2, 0.28)
+    assert float(loss) == pytest.approx(sum(map(sum, rows)) / sum(map(len, rows)), rel=1e-12)
+    r = (logp.detach() - logp_old).exp()
+    held = mask & (r < 0.8) & (adv < 0)
+    assert held.any()
+    loss.backward()
+    assert torch.all(logp.grad[held] == 0)
 
 
 def test_importance_sampling_level_sequence_is_gspos_length_normalized_sequence_ratio():
@@ -223,9 +239,12 @@ def test_dpo_sigmoid_with_label_smoothing_is_the_conservative_dpo_loss(ls):
     assert float(loss) == pytest.approx(hand / n, rel=1e-12)
 
 
-def test_dpo_ipo_is_the_squared_distance_of_the_length_normalized_margin_to_one_over_two_beta():
+@pytest.mark.parametrize("one_token", [False, True])
+def test_dpo_ipo_is_the_squared_distance_of_the_length_normalized_margin_to_one_over_two_beta(one_token):
     n, logp, logp_ref, mask = _pairs(8)
-    beta = 0.5
+    if one_token:  # a one-token completion: its mean is its one log-ratio
+        mask[3, 1:] = False
+    beta = 0.25  # 1 / (2 beta) = 2, not 2 beta (at beta = 0.5 the two are equal)
     lp = logp.detach()
     hand = sum((_h(lp, logp_ref, mask, i, True) - _h(lp, logp_ref, mask, i + n, True) - 1 / (2 * beta)) ** 2
                for i in range(n)) / n

@@ -93,6 +93,18 @@ def test_the_dpo_loss_matches_a_hand_computation():
     assert torch.all(logp.grad[~mask] == 0)
 
 
+def test_at_the_reference_every_dpo_reward_is_zero_and_a_tie_is_not_an_accurate_pair():
+    """Before the first step pi_theta is pi_ref: each implicit reward is 0, so chosen and rejected tie, which
+    counts as wrong (TRL's accuracy is ``chosen_rewards > rejected_rewards``), and the loss is log 2."""
+    _, _, logp_ref, _, _ = _tokens(4)
+    logp_ref = torch.cat([logp_ref, logp_ref - 0.3])
+    mask = torch.ones(2 * B, R, dtype=torch.bool)
+    loss, stats = get_loss("dpo")(logp_ref.clone(), None, logp_ref, None, mask, LossSettings(beta=0.1))
+    assert float(stats["accuracy"]) == 0.0 and float(stats["margin"]) == 0.0
+    assert float(stats["chosen_rewards"]) == 0.0 and float(stats["rejected_rewards"]) == 0.0
+    assert float(loss) == pytest.approx(math.log(2), rel=1e-12)
+
+
 def test_the_registry_refuses_a_taken_name_and_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown policy loss 'nope'; known: dpo, ppo"):
         get_loss("nope")

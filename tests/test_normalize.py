@@ -204,3 +204,34 @@ def test_reward_scaler_edge_inputs():
     for rewards, dones in (([1.0, 2.0, 3.0], [False, False]), ([1.0, 2.0], [False, False, False])):
         with pytest.raises(ValueError, match=r"expected rewards and dones of shape \[2\]"):
             scaler.scale(np.array(rewards), np.array(dones))
+
+
+def test_a_normalizer_on_a_device_keeps_its_statistics_and_results_there_for_host_inputs():
+    """The collector hands numpy observations and rewards to a normalizer built on the training device (CUDA):
+    everything must land on that device, not on torch's default one. The "meta" device stands in for CUDA on a
+    CPU-only machine: a meta tensor mixed with a CPU tensor raises, and each result's device is asserted."""
+    meta = torch.device("meta")
+    rms = RunningMeanStd(3, device="meta")
+    assert {rms.mean.device, rms.var.device, rms.count.device} == {meta}
+    rms.update(np.ones((4, 3)))
+    assert {rms.mean.device, rms.var.device, rms.count.device} == {meta}
+    rms.load_state_dict(RunningMeanStd(3).state_dict())  # a CPU checkpoint restored onto the device
+    assert {t.device for t in rms.state_dict().values()} == {meta}
+
+    obs = ObsNormalizer(3, device="meta")
+    obs.update(np.ones((2, 3)))
+    out = obs.normalize(np.ones((2, 3)))
+    assert out.device == meta and out.dtype == torch.float32 and out.shape == (2, 3)
+    obs.load_state_dict(ObsNormalizer(3).state_dict())
+    assert {t.device for t in obs.state_dict().values()} == {meta}
+
+    rs = RewardScaler(2, 0.99, device="meta")
+    assert rs.returns.device == meta and rs.rms.mean.device == meta
+    scaled = rs.scale(np.ones(2), np.array([False, True]))
+    assert scaled.device == meta and scaled.dtype == torch.float32 and scaled.shape == (2,)
+    assert rs.returns.device == meta
+    cpu = RewardScaler(2, 0.99)
+    rs.load_state_dict(cpu.state_dict())  # the per-env returns kept (same num_envs), moved to the device
+    assert {t.device for t in rs.state_dict().values()} == {meta}
+    rs.load_state_dict(RewardScaler(3, 0.99).state_dict())  # another num_envs: fresh returns, on the device
+    assert rs.returns.device == meta and rs.returns.shape == (2,)

@@ -648,3 +648,8 @@ def test_masked_explained_variance_is_that_of_the_valid_tokens():
     assert none_valid.dtype == F64 and none_valid.shape == () and math.isnan(none_valid.item())
     with pytest.raises(ValueError, match="shape"):
         explained_variance(pred, target, mask.T)
+    # The no-token NaN is on the target's device, not torch's default one (a run with the default device set to
+    # CUDA that computes diagnostics on CPU tensors; "meta" stands in for CUDA on a CPU-only machine).
+    with torch.device("meta"):
+        none_valid = explained_variance(pred, target, torch.zeros_like(mask))
+    assert none_valid.device == target.device and math.isnan(none_valid.item())
