@@ -269,6 +269,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# A lost node's actor fails its chunk request at once when the learner's connection to it closes, or else only
+# once the GCS declares the node dead, after its health checks fail (Ray's defaults: every 3 s, 5 in a row, seen
+# here taking > 10 s, longer than the run had left). The cluster checks every 0.5 s, 3 in a row: ~2 s.
+_FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
+                    "RAY_health_check_failure_threshold": "3"}
+
+
 class _Cluster:
     """A Ray cluster of ``ray start`` nodes on 127.0.0.1, each with its own --temp-dir under ``root``, so its
     processes are found by that path (in the GCS's and raylets' command lines) and their descendants. ``ray stop``
@@ -295,7 +302,8 @@ class _Cluster:
                  else ["--address", self.address])
         cmd = ["ray", "start", *where, "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
                "--temp-dir", str(temp), "--disable-usage-stats", *ports]
-        env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", _MARK: self.mark, **self.env}
+        env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", _MARK: self.mark, **self.env,
+               **_FAST_NODE_DEATH}
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         assert res.returncode == 0, f"ray start ({name}) failed: {res.stderr[-2000:]}"
         self.nodes[name] = temp
@@ -308,6 +316,11 @@ class _Cluster:
             if proc.info["name"] == "raylet" and any(temp in arg for arg in cmd) and proc.status() != "zombie":
                 return proc.pid
         return None
+
+    def node_id(self, name: str) -> str:
+        """Ray's id of node ``name`` (its raylet's --node_id)."""
+        cmd = psutil.Process(self.raylet(name)).cmdline()
+        return next(arg.split("=", 1)[1] for arg in cmd if arg.startswith("--node_id="))
 
     def node_of(self, pid: int) -> str | None:
         """The node whose raylet is ``pid``'s parent (every Ray worker process is its raylet's child)."""
@@ -396,9 +409,13 @@ def test_a_lost_ray_node_is_named_its_actor_replaced_on_a_live_node_and_the_run_
         # The driver is on the head node (ray.init prefers the head among this host's nodes): lose another one,
         # the node of an actor seen there, never one picked by luck.
         placed = {pid: cluster.node_of(pid) for pid in _actors(cluster.mark)}
-        away = sorted((pid, node) for pid, node in placed.items() if node not in (None, "head"))
+        # An actor stepping a chunk (Ray titles its process by the method it runs): past its start, so the
+        # learner knows its node.
+        stepping = {pid for pid, cmd in _marked(cluster.mark).items() if cmd.startswith("ray::_RayWorker.chunk_with")}
+        away = sorted((pid, node) for pid, node in placed.items() if node not in (None, "head") and pid in stepping)
         if len(rows) >= 3 and away:
             victim, lost = away[0]
+            lost_id = cluster.node_id(lost)
             os.kill(cluster.raylet(lost), signal.SIGKILL)
         time.sleep(0.2)
     assert victim is not None, "the run ended before a node could be lost"
@@ -412,5 +429,6 @@ def test_a_lost_ray_node_is_named_its_actor_replaced_on_a_live_node_and_the_run_
     assert fresh and all(node not in (None, lost) for node in fresh.values()), (lost, fresh)  # on a live node
     named = [line for line in err.splitlines() if f"(Ray actor, pid {victim}) died:" in line]
     assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
+    assert f"its node {lost_id} was lost" in named[0], named[0]  # the line says which node was lost
     assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) >= 1
     assert not _none_left(mark), "a process of the run outlived it"
