@@ -2,7 +2,10 @@
 started for the run on 127.0.0.1, checked by what the run writes and by pid.
 
 Every process of a run (the learner, the Ray head's GCS and raylet, the actors) inherits the environment variable
-``_MARK``, so ``_marked`` finds them all by pid, and after the run none may be left."""
+``_MARK``, so ``_marked`` finds them all by pid, and after the run none may be left.
+
+``--ray-address 127.0.0.1:PORT``: the ``cluster`` fixture's existing cluster of three ``ray start`` nodes (its
+processes carry its own mark), for actors on several nodes and a lost node."""
 
 from __future__ import annotations
 
