@@ -435,3 +435,22 @@ def test_a_lost_ray_node_is_named_its_actor_replaced_on_a_live_node_and_the_run_
     assert f"its node {lost_id} was lost" in named[0], named[0]  # the line says which node was lost
     assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) >= 1
     assert not _none_left(mark), "a process of the run outlived it"
+
+
+@needs_ray
+def test_a_killed_learner_takes_its_actors_on_a_cluster_but_leaves_the_cluster_up(tmp_path, mark, cluster):
+    proc = _train(tmp_path / "run", mark, "--total-timesteps", "40960", address=cluster.address, env=cluster.env)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while len(_actors(cluster.mark)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    actors = _actors(cluster.mark)
+    assert len(actors) == 2, "the two Ray actors did not start"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    # A driver's actors share its fate (Ray kills a job's actors when its driver dies); the cluster's nodes do not.
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(pid) for pid in actors) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(pid) for pid in actors), "a Ray actor outlived its killed learner"
+    assert not _none_left(mark), "a process of the run outlived it"
+    assert all(cluster.raylet(name) for name in cluster.nodes), "the killed learner took the cluster with it"
