@@ -274,7 +274,8 @@ def _free_port() -> int:
 
 # A lost node's actor fails its chunk request at once when the learner's connection to it closes, or else only
 # once the GCS declares the node dead, after its health checks fail (Ray's defaults: every 3 s, 5 in a row, seen
-# here taking > 10 s, longer than the run had left). The cluster checks every 0.5 s, 3 in a row: ~2 s.
+# here: one run's remaining ~10 s ended before its lost actor was named). The cluster checks every 0.5 s, 3 in a
+# row: ~2 s.
 _FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
                     "RAY_health_check_failure_threshold": "3"}
 
@@ -291,6 +292,7 @@ class _Cluster:
         # drivers share their own token instead (Ray's RAY_AUTH_TOKEN), so no file outside root is read or written.
         self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex, "RAY_USAGE_STATS_ENABLED": "0"}
         self.nodes: dict[str, Path] = {}  # node name -> its --temp-dir
+        self.lost: set[str] = set()  # nodes a test killed (the fixture is shared by the module's tests)
 
     def start(self, name: str, *, head: bool = False, num_cpus: int = 1) -> None:
         temp = self.root / name
@@ -319,6 +321,15 @@ class _Cluster:
             if proc.info["name"] == "raylet" and any(temp in arg for arg in cmd) and proc.status() != "zombie":
                 return proc.pid
         return None
+
+    def lose(self, name: str) -> None:
+        """Node ``name`` lost: its raylet killed -9, as when its machine goes away."""
+        os.kill(self.raylet(name), signal.SIGKILL)
+        self.lost.add(name)
+
+    def up(self) -> bool:
+        """Every node not lost on purpose still has its raylet."""
+        return all(self.raylet(name) for name in self.nodes if name not in self.lost)
 
     def node_id(self, name: str) -> str:
         """Ray's id of node ``name`` (its raylet's --node_id)."""
@@ -395,7 +406,7 @@ def test_a_run_on_an_existing_ray_cluster_spreads_its_actors_over_nodes_and_leav
         time.sleep(0.2)
     assert not _actors(cluster.mark), "the run's Ray actors outlived it"
     # The run joined a cluster it did not start: it left it running, every node's raylet included.
-    assert all(cluster.raylet(name) for name in cluster.nodes), "the run stopped the cluster it joined"
+    assert cluster.up(), "the run stopped the cluster it joined"
     res = subprocess.run(["ray", "status", "--address", cluster.address], env={**os.environ, **cluster.env},
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -419,7 +430,7 @@ def test_a_lost_ray_node_is_named_its_actor_replaced_on_a_live_node_and_the_run_
         if len(rows) >= 3 and away:
             victim, lost = away[0]
             lost_id = cluster.node_id(lost)
-            os.kill(cluster.raylet(lost), signal.SIGKILL)
+            cluster.lose(lost)
         time.sleep(0.2)
     assert victim is not None, "the run ended before a node could be lost"
     fresh: dict[int, str | None] = {}  # actor pid started after the loss -> its node
@@ -453,4 +464,4 @@ def test_a_killed_learner_takes_its_actors_on_a_cluster_but_leaves_the_cluster_u
         time.sleep(0.2)
     assert not any(psutil.pid_exists(pid) for pid in actors), "a Ray actor outlived its killed learner"
     assert not _none_left(mark), "a process of the run outlived it"
-    assert all(cluster.raylet(name) for name in cluster.nodes), "the killed learner took the cluster with it"
+    assert cluster.up(), "the killed learner took the cluster with it"
