@@ -293,6 +293,9 @@ class _Cluster:
         self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex, "RAY_USAGE_STATS_ENABLED": "0"}
         self.nodes: dict[str, Path] = {}  # node name -> its --temp-dir
         self.lost: set[str] = set()  # nodes a test killed (the fixture is shared by the module's tests)
+        # pid -> start time of every process of the cluster seen: a lost raylet's agents, orphaned, name neither
+        # the root nor (their titles overwrite it) the mark, and live on for up to a minute.
+        self.seen: dict[int, float] = {}
 
     def start(self, name: str, *, head: bool = False, num_cpus: int = 1) -> None:
         temp = self.root / name
@@ -324,6 +327,7 @@ class _Cluster:
 
     def lose(self, name: str) -> None:
         """Node ``name`` lost: its raylet killed -9, as when its machine goes away."""
+        self.processes()  # its agents, while they are still its raylet's children
         os.kill(self.raylet(name), signal.SIGKILL)
         self.lost.add(name)
 
@@ -345,15 +349,21 @@ class _Cluster:
         return next((name for name in self.nodes if self.raylet(name) == parent), None)
 
     def processes(self) -> set[int]:
-        """Every live process of this cluster: those naming its root, and their descendants."""
-        found = set()
+        """Every live process of this cluster: those naming its root, their descendants, and any seen before."""
+        found = []
         for proc in psutil.process_iter(["pid", "cmdline"]):
             try:
                 if any(str(self.root) in arg for arg in proc.info["cmdline"] or []):
-                    found |= {proc.pid, *(child.pid for child in proc.children(recursive=True))}
+                    found += [proc, *proc.children(recursive=True)]
             except psutil.NoSuchProcess:
                 continue
-        return found | set(_marked(self.mark))
+        for proc in [*found, *_marked(self.mark)]:
+            try:
+                proc = proc if isinstance(proc, psutil.Process) else psutil.Process(proc)
+                self.seen.setdefault(proc.pid, proc.create_time())
+            except psutil.NoSuchProcess:
+                continue
+        return {pid for pid, started in self.seen.items() if _alive(pid, started)}
 
     def stop(self) -> None:
         deadline = time.monotonic() + 30
@@ -365,6 +375,15 @@ class _Cluster:
                     pass
             time.sleep(0.5)
         assert not self.processes(), "a process of the test's Ray cluster outlived its teardown"
+
+
+def _alive(pid: int, started: float) -> bool:
+    """``pid`` is still the process that started at ``started`` (not a reused pid) and not a zombie."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +398,7 @@ def cluster():
         ray_cluster.start("head", head=True)
         ray_cluster.start("a")
         ray_cluster.start("b")
+        ray_cluster.processes()  # every node's processes, seen while each is its raylet's child
         yield ray_cluster
     finally:
         ray_cluster.stop()
