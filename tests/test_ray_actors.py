@@ -2,7 +2,10 @@
 started for the run on 127.0.0.1, checked by what the run writes and by pid.
 
 Every process of a run (the learner, the Ray head's GCS and raylet, the actors) inherits the environment variable
-``_MARK``, so ``_marked`` finds them all by pid, and after the run none may be left."""
+``_MARK``, so ``_marked`` finds them all by pid, and after the run none may be left.
+
+``--ray-address 127.0.0.1:PORT``: the ``cluster`` fixture's existing cluster of three ``ray start`` nodes (its
+processes carry its own mark), for actors on several nodes and a lost node."""
 
 from __future__ import annotations
 
@@ -33,12 +36,16 @@ RUN_TIMEOUT_S = 120
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs pip install -e '.[ray]'")
 
 
-def _train(run_dir: Path, mark: str, *flags: str) -> subprocess.Popen:
+def _pythonpath() -> str:
     # tests/ on the path: the actors import actor_faults as its env id says.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", _MARK: mark, "RAY_USAGE_STATS_ENABLED": "0"}
+    return os.pathsep.join([SRC, str(TESTS), os.environ.get("PYTHONPATH", "")])
+
+
+def _train(run_dir: Path, mark: str, *flags: str, address: str = "local", env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", _MARK: mark,
+           "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "ppokit", "train", "--preset", "cartpole", "--seed", "1",
-                             "--actors", "2", "--ray-address", "local", "--run-dir", str(run_dir),
+                             "--actors", "2", "--ray-address", address, "--run-dir", str(run_dir),
                              "--no-tensorboard", "--quiet", *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -251,3 +258,230 @@ def test_a_killed_learner_takes_its_ray_head_and_actors_with_it(tmp_path, mark):
     proc.communicate(timeout=30)
     # A `local` Ray's processes share the fate of the driver that started them (Ray's fate sharing): ~1.3 s here.
     assert not _none_left(mark, 20.0), "a process of the Ray run outlived its killed learner"
+
+
+# An existing Ray cluster of several nodes (`--ray-address HOST:PORT`): `ray start` on 127.0.0.1, one head and two
+# worker nodes of one CPU each, so two one-CPU actors must sit on two nodes and a replacement always has room.
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# A lost node's actor fails its chunk request at once when the learner's connection to it closes, or else only
+# once the GCS declares the node dead, after its health checks fail (Ray's defaults: every 3 s, 5 in a row, seen
+# here: one run's remaining ~10 s ended before its lost actor was named). The cluster checks every 0.5 s, 3 in a
+# row: ~2 s.
+_FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
+                    "RAY_health_check_failure_threshold": "3"}
+
+
+class _Cluster:
+    """A Ray cluster of ``ray start`` nodes on 127.0.0.1, each with its own --temp-dir under ``root``, so its
+    processes are found by that path (in the GCS's and raylets' command lines) and their descendants. ``ray stop``
+    stops every Ray of this machine's user, another test's too: teardown kills these pids instead."""
+
+    def __init__(self, root: Path):
+        self.root, self.mark, self.port = root, uuid.uuid4().hex, _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # Ray 2.60 enables token authentication by default where ~/.ray/auth_token exists: the cluster and its
+        # drivers share their own token instead (Ray's RAY_AUTH_TOKEN), so no file outside root is read or written.
+        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex, "RAY_USAGE_STATS_ENABLED": "0"}
+        self.nodes: dict[str, Path] = {}  # node name -> its --temp-dir
+        self.lost: set[str] = set()  # nodes a test killed (the fixture is shared by the module's tests)
+        # pid -> start time of every process of the cluster seen: a lost raylet's agents, orphaned, name neither
+        # the root nor (their titles overwrite it) the mark, and live on for up to a minute.
+        self.seen: dict[int, float] = {}
+
+    def start(self, name: str, *, head: bool = False, num_cpus: int = 1) -> None:
+        temp = self.root / name
+        # Several nodes on one host: every port a node binds is its own (the defaults, e.g. 8265 and 52365, are
+        # shared), and worker ports 0 = any free port (as ray.cluster_utils does for its one-host clusters).
+        ports = ["--node-manager-port", str(_free_port()), "--object-manager-port", str(_free_port()),
+                 "--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port", str(_free_port()),
+                 "--runtime-env-agent-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
+                 "--min-worker-port", "0", "--max-worker-port", "0"]
+        where = (["--head", "--port", str(self.port), "--include-dashboard=false", "--dashboard-port",
+                  str(_free_port()), "--ray-client-server-port", str(_free_port())] if head
+                 else ["--address", self.address])
+        cmd = ["ray", "start", *where, "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
+               "--temp-dir", str(temp), "--disable-usage-stats", *ports]
+        env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", _MARK: self.mark, **self.env,
+               **_FAST_NODE_DEATH}
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        assert res.returncode == 0, f"ray start ({name}) failed: {res.stderr[-2000:]}"
+        self.nodes[name] = temp
+
+    def raylet(self, name: str) -> int | None:
+        """The pid of node ``name``'s raylet, None once it is gone."""
+        temp = f"{self.nodes[name]}/"
+        for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if proc.info["name"] == "raylet" and any(temp in arg for arg in cmd) and proc.status() != "zombie":
+                return proc.pid
+        return None
+
+    def lose(self, name: str) -> None:
+        """Node ``name`` lost: its raylet killed -9, as when its machine goes away."""
+        self.processes()  # its agents, while they are still its raylet's children
+        os.kill(self.raylet(name), signal.SIGKILL)
+        self.lost.add(name)
+
+    def up(self) -> bool:
+        """Every node not lost on purpose still has its raylet."""
+        return all(self.raylet(name) for name in self.nodes if name not in self.lost)
+
+    def node_id(self, name: str) -> str:
+        """Ray's id of node ``name`` (its raylet's --node_id)."""
+        cmd = psutil.Process(self.raylet(name)).cmdline()
+        return next(arg.split("=", 1)[1] for arg in cmd if arg.startswith("--node_id="))
+
+    def node_of(self, pid: int) -> str | None:
+        """The node whose raylet is ``pid``'s parent (every Ray worker process is its raylet's child)."""
+        try:
+            parent = psutil.Process(pid).ppid()
+        except psutil.NoSuchProcess:
+            return None
+        return next((name for name in self.nodes if self.raylet(name) == parent), None)
+
+    def processes(self) -> set[int]:
+        """Every live process of this cluster: those naming its root, their descendants, and any seen before."""
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if any(str(self.root) in arg for arg in proc.info["cmdline"] or []):
+                    found += [proc, *proc.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        for proc in [*found, *_marked(self.mark)]:
+            try:
+                proc = proc if isinstance(proc, psutil.Process) else psutil.Process(proc)
+                self.seen.setdefault(proc.pid, proc.create_time())
+            except psutil.NoSuchProcess:
+                continue
+        return {pid for pid, started in self.seen.items() if _alive(pid, started)}
+
+    def stop(self) -> None:
+        deadline = time.monotonic() + 30
+        while (left := self.processes()) and time.monotonic() < deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        assert not self.processes(), "a process of the test's Ray cluster outlived its teardown"
+
+
+def _alive(pid: int, started: float) -> bool:
+    """``pid`` is still the process that started at ``started`` (not a reused pid) and not a zombie."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import shutil
+    import tempfile
+
+    # A short root: Ray's unix sockets live under --temp-dir, and a socket path may not exceed 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="ppokit-ray-", dir="/tmp"))
+    ray_cluster = _Cluster(root)
+    try:
+        ray_cluster.start("head", head=True)
+        ray_cluster.start("a")
+        ray_cluster.start("b")
+        ray_cluster.processes()  # every node's processes, seen while each is its raylet's child
+        yield ray_cluster
+    finally:
+        ray_cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@needs_ray
+def test_a_run_on_an_existing_ray_cluster_spreads_its_actors_over_nodes_and_leaves_the_cluster_up(tmp_path, mark,
+                                                                                                  cluster):
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, mark, "--total-timesteps", "10240", address=cluster.address, env=cluster.env)
+    nodes: dict[int, str | None] = {}  # actor pid -> its node
+    while proc.poll() is None:
+        for pid in _actors(cluster.mark):  # the actors are the cluster's processes: they carry its mark
+            nodes.setdefault(pid, cluster.node_of(pid))
+        time.sleep(0.2)
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-2000:]
+    assert len(nodes) == 2 and None not in nodes.values(), nodes
+    assert len(set(nodes.values())) == 2, nodes  # one CPU per node: two actors, two nodes
+    assert float(_rows(run_dir)[-1][S.GLOBAL_STEP]) >= 10240
+    assert not _none_left(mark), "a process of the run outlived it"
+    deadline = time.monotonic() + 15
+    while _actors(cluster.mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _actors(cluster.mark), "the run's Ray actors outlived it"
+    # The run joined a cluster it did not start: it left it running, every node's raylet included.
+    assert cluster.up(), "the run stopped the cluster it joined"
+    res = subprocess.run(["ray", "status", "--address", cluster.address], env={**os.environ, **cluster.env},
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+@needs_ray
+def test_a_lost_ray_node_is_named_its_actor_replaced_on_a_live_node_and_the_run_finishes(tmp_path, mark, cluster):
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, mark, "--total-timesteps", "61440", address=cluster.address, env=cluster.env)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    victim = lost = None
+    while victim is None and proc.poll() is None and time.monotonic() < deadline:
+        rows = _rows(run_dir) if (run_dir / "metrics.csv").exists() else []
+        # The driver is on the head node (ray.init prefers the head among this host's nodes): lose another one,
+        # the node of an actor seen there, never one picked by luck.
+        placed = {pid: cluster.node_of(pid) for pid in _actors(cluster.mark)}
+        # An actor stepping a chunk (Ray titles its process by the method it runs): past its start, so the
+        # learner knows its node.
+        stepping = {pid for pid, cmd in _marked(cluster.mark).items() if cmd.startswith("ray::_RayWorker.chunk_with")}
+        away = sorted((pid, node) for pid, node in placed.items() if node not in (None, "head") and pid in stepping)
+        if len(rows) >= 3 and away:
+            victim, lost = away[0]
+            lost_id = cluster.node_id(lost)
+            cluster.lose(lost)
+        time.sleep(0.2)
+    assert victim is not None, "the run ended before a node could be lost"
+    fresh: dict[int, str | None] = {}  # actor pid started after the loss -> its node
+    while proc.poll() is None and time.monotonic() < deadline:
+        for pid in set(_actors(cluster.mark)) - set(placed):
+            fresh.setdefault(pid, cluster.node_of(pid))
+        time.sleep(0.2)
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-2000:]
+    assert fresh and all(node not in (None, lost) for node in fresh.values()), (lost, fresh)  # on a live node
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {victim}) died:" in line]
+    assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
+    assert f"its node {lost_id} was lost" in named[0], named[0]  # the line says which node was lost
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) >= 1
+    assert not _none_left(mark), "a process of the run outlived it"
+
+
+@needs_ray
+def test_a_killed_learner_takes_its_actors_on_a_cluster_but_leaves_the_cluster_up(tmp_path, mark, cluster):
+    proc = _train(tmp_path / "run", mark, "--total-timesteps", "40960", address=cluster.address, env=cluster.env)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while len(_actors(cluster.mark)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    actors = _actors(cluster.mark)
+    assert len(actors) == 2, "the two Ray actors did not start"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    # A driver's actors share its fate (Ray kills a job's actors when its driver dies); the cluster's nodes do not.
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(pid) for pid in actors) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(pid) for pid in actors), "a Ray actor outlived its killed learner"
+    assert not _none_left(mark), "a process of the run outlived it"
+    assert cluster.up(), "the killed learner took the cluster with it"

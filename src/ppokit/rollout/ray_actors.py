@@ -10,7 +10,9 @@ Everything after the chunk arrives (the lag check, the statistics, V-trace, the 
 ``ADDR``: ``auto`` (the cluster this machine belongs to, ``ray start --head`` first), ``HOST:PORT`` or
 ``ray://HOST:PORT``, or ``local`` (start a one-machine Ray here for the run). Under a driver that already called
 ``ray.init`` the address is not used. An actor that raises or is lost (its process or node) is named in one line
-and replaced, as a process worker is. Every node needs ppokit and the env's packages installed.
+and replaced, as a process worker is (a lost node's actor with the id of its node). Every node needs ppokit and
+the env's packages installed. Tested on ``local`` and on a three-node ``ray start`` cluster on 127.0.0.1 (actors on
+two nodes, the cluster left up, a worker node's raylet killed -9 mid-run): tests/test_ray_actors.py.
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ class _RayWorker(RolloutWorker):
         torch.set_num_threads(1)
         super().__init__(*args)
 
-    def pid(self) -> int:
-        return os.getpid()
+    def where(self) -> tuple[int, str]:
+        """This actor's pid and the id of the Ray node it runs on."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def chunk_with(self, published: tuple[int, dict, Any]) -> dict:
         version, weights, obs_stats = published
@@ -75,15 +80,28 @@ def _remote(ray: Any) -> Any:
     return _REMOTE[0]
 
 
-def _one_line(ray: Any, exc: BaseException) -> str:
-    """A failed chunk request in one line: the actor's own exception, or how the actor was lost."""
+def _one_line(ray: Any, exc: BaseException, node: str | None = None) -> str:
+    """A failed chunk request in one line: the actor's own exception, or how the actor was lost (``node``: the id of
+    the Ray node it ran on, where known)."""
     if isinstance(exc, ray.exceptions.RayTaskError):  # the actor raised: its exception, as a process worker names it
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         text = str(cause).strip().splitlines()
         return f"{type(cause).__name__}: {text[-1] if text else '(no message)'}"[:500]
-    if isinstance(exc, ray.exceptions.ActorDiedError):
-        return "its Ray actor died (the process was killed or exited, or its node was lost)"
+    on = f"its node {node}" if node else "its node"
+    if isinstance(exc, ray.exceptions.ActorDiedError):  # also how a lost node's actor ends, once the GCS knows
+        return f"its Ray actor died (the process was killed or exited, or {on} was lost)"
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        # A node lost (its raylet killed, its machine gone) surfaces first as this: the learner's connection to the
+        # actor closed ("Socket closed") before the GCS, which needs its health checks to time out, knows the node
+        # is dead. Measured here (Ray 2.60, a worker node's raylet killed -9 mid-run): this, not ActorDiedError,
+        # names the actor. Say where it was, so the line names the lost node.
+        return f"its Ray actor stopped answering: its process or {on} was lost ({_last_line(exc)})"
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+
+
+def _last_line(exc: BaseException) -> str:
+    cause = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {cause[-200:]}"
 
 
 def _signal_handlers() -> dict[int, Any]:
@@ -116,8 +134,9 @@ class RayActorPool(ActorPool):
         self.ray = require_ray()
         self.actors: dict[int, Any] = {}  # slot -> actor handle
         self.pending: dict[Any, int] = {}  # in-flight chunk request -> slot
-        self.pid_refs: dict[int, Any] = {}  # slot -> ObjectRef of its actor's pid (asked at its start)
+        self.pid_refs: dict[int, Any] = {}  # slot -> ObjectRef of its actor's (pid, node id) (asked at its start)
         self.slot_pids: dict[int, int] = {}  # slot -> its actor's pid, once answered (kept: Ray is not asked again)
+        self.slot_nodes: dict[int, str] = {}  # slot -> the id of its actor's Ray node, once answered
         self.actor_pids: list[int] = []  # every actor process seen, replaced ones included
         self._published: Any = None  # ObjectRef of (version, weights, obs statistics)
         self._connected = False  # this pool called ray.init (and so calls ray.shutdown)
@@ -161,8 +180,9 @@ class RayActorPool(ActorPool):
         self.starts += 1
         actor = _remote(self.ray).remote(slot, self.config, seed, self._acting_type())
         self.actors[slot] = actor
-        self.pid_refs[slot] = actor.pid.remote()  # answered before any chunk (an actor runs its calls in order)
+        self.pid_refs[slot] = actor.where.remote()  # answered before any chunk (an actor runs its calls in order)
         self.slot_pids.pop(slot, None)
+        self.slot_nodes.pop(slot, None)
         self.pending[actor.chunk_with.remote(self._published)] = slot
 
     def _pid(self, slot: int) -> int | None:
@@ -176,10 +196,11 @@ class RayActorPool(ActorPool):
         if not ready:
             return None
         try:
-            pid = int(self.ray.get(ref))
+            pid, node = self.ray.get(ref)
         except self.ray.exceptions.RayError:
             return None
-        self._seen(slot, pid)
+        self.slot_nodes[slot] = node
+        self._seen(slot, int(pid))
         return pid
 
     def _seen(self, slot: int, pid: int) -> None:
@@ -215,7 +236,8 @@ class RayActorPool(ActorPool):
             except ray.exceptions.RayError as exc:  # the actor raised, or its process or node was lost
                 if pid is None and (pid := _dead_pid(ray, exc)) is not None:
                     self._seen(slot, pid)  # killed before it answered its pid (still in __init__): Ray names it
-                return {"kind": "error", "slot": slot, "pid": pid, "message": _one_line(ray, exc)}
+                return {"kind": "error", "slot": slot, "pid": pid,
+                        "message": _one_line(ray, exc, self.slot_nodes.get(slot))}
             self.pending[self.actors[slot].chunk_with.remote(self._published)] = slot
             return item
 
