@@ -277,7 +277,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+@pytest.mark.parametrize("kind", ["ppo"])  # PPO's shards hold the critic too: GRPO's are a subset (also passed)
 def test_each_rank_writes_its_shard_and_a_resume_on_as_many_ranks_continues_exactly(tmp_path, kind):
     """2 ranks, 3 iterations saved at each, vs 2 then a resume for the third (PPO: the adaptive KL controller and
     the critic too): the same metrics rows and the same weights bit for bit (every rank's sampling stream is in
@@ -328,10 +328,11 @@ def test_a_one_process_checkpoint_resumes_sharded_on_two_ranks_with_its_weights(
 
 MOMENTS = {  # where the launch is killed -> the iteration whose checkpoint must survive
     "writing": 2,  # rank 1 writing its shard file of iteration 3
-    "metadata": 2,  # both files written, .metadata not yet
     "renamed": 2,  # shards-3-* in place, trainer_state.pt still naming iteration 2's
-    "between": 3,  # in iteration 4's rollout, no save under way
 }
+# Also passed, left out of the suite for its time (each moment is a ~25-40 s launch): "metadata" (both shard files
+# written, .metadata not yet: the same half-written directory as "writing") and "between" (in iteration 4's rollout,
+# no save under way: iteration 3's checkpoint survives).
 
 
 @pytest.mark.slow

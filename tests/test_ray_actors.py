@@ -202,7 +202,9 @@ def test_a_ray_actor_whose_env_hangs_past_env_timeout_is_named_and_replaced(tmp_
 
 
 @needs_ray
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# SIGTERM: ray.init installs its own handler for it (the bug this test caught). SIGINT, which Ray leaves alone, also
+# passed (17 s); the process workers' Ctrl-C test covers the learner's side of it.
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_ctrl_c_and_sigterm_stop_a_ray_run_in_bounded_time_with_a_checkpoint(tmp_path, mark, sig):
     run_dir = tmp_path / "run"
     proc = _train(run_dir, mark, "--total-timesteps", "2000000", "--save-every", "5")
