@@ -57,7 +57,9 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
 @pytest.mark.slow
 def test_cartpole_with_two_actors_learns_and_logs_the_lag(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _train(run_dir, "--actors", "2", "--total-timesteps", "30000")
+    # max_policy_lag 2: a loaded machine slows the learner more than the workers, and at the default (8) the chunks
+    # it trained on grew stale enough that one CI run ended at 143 (the same seed reaches ~380 on an idle machine).
+    proc = _train(run_dir, "--actors", "2", "--total-timesteps", "30000", "--max-policy-lag", "2")
     kids: list[int] = []
     while proc.poll() is None:  # the workers, while they live
         try:
@@ -75,7 +77,7 @@ def test_cartpole_with_two_actors_learns_and_logs_the_lag(tmp_path):
     # Seed 1: ~380 at 30k steps (the synchronous loop: ~200); a policy that learned nothing stays near 20.
     assert sum(last) / len(last) > 150, last
     lags = [float(r[S.POLICY_LAG]) for r in rows]
-    assert 0 <= min(lags) and max(lags) <= 8  # max_policy_lag's default: nothing older is trained on
+    assert 0 <= min(lags) and max(lags) <= 2  # max_policy_lag: nothing older is trained on
     assert len(kids) == 2 and _gone(kids, 1.0)
 
 
