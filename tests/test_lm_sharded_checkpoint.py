@@ -283,6 +283,7 @@ def test_each_rank_writes_its_shard_and_a_resume_on_as_many_ranks_continues_exac
     the critic too): the same metrics rows and the same weights bit for bit (every rank's sampling stream is in
     the checkpoint). The run dir holds one shards directory with one file per rank, about half of the weights
     and AdamW states each, and a trainer_state.pt with none of them."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     from ppokit.runtime.checkpoint import load_checkpoint
 
     full_run, split = tmp_path / "a", tmp_path / "b"
