@@ -650,15 +650,15 @@ def test_bench_distributed_smoke():
 
 # ---------------------------------------------------------------------- the --nproc launcher (ppokit.runtime.launcher)
 def _proc_children(pid: int) -> list[int]:
-    from ppokit.runtime.launcher import _children
+    from ppokit.runtime.procs import children
 
-    return sorted(_children(pid))
+    return sorted(children(pid))
 
 
 def _alive(pids: list[int]) -> list[int]:
-    from ppokit.runtime.launcher import _start_time
+    from ppokit.runtime.procs import start_time
 
-    return [p for p in pids if _start_time(p) is not None]
+    return [p for p in pids if start_time(p) is not None]
 
 
 def _rank_of(pid: int) -> int:

@@ -262,9 +262,9 @@ def _rows(run: Path) -> list[dict]:
 
 
 def _alive(pids: list[int]) -> list[int]:
-    from ppokit.runtime.launcher import _start_time
+    from ppokit.runtime.procs import start_time
 
-    return [p for p in pids if _start_time(p) is not None]
+    return [p for p in pids if start_time(p) is not None]
 
 
 @pytest.fixture(scope="module")

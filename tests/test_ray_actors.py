@@ -2,7 +2,7 @@
 started for the run on 127.0.0.1, checked by what the run writes and by pid.
 
 Every process of a run (the learner, the Ray head's GCS and raylet, the actors) inherits the environment variable
-``_MARK``, so ``_marked`` finds them all by pid, and after the run none may be left.
+``_MARK`` or is below one that did, so ``_marked`` finds them all by pid, and after the run none may be left.
 
 ``--ray-address 127.0.0.1:PORT``: the ``cluster`` fixture's existing cluster of three ``ray start`` nodes (its
 processes carry its own mark), for actors on several nodes and a lost node."""
@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -51,15 +52,39 @@ def _train(run_dir: Path, mark: str, *flags: str, address: str = "local", env: d
                             start_new_session=True)
 
 
+_SEEN: dict[str, dict[int, float]] = {}  # mark -> pid -> start time of every process of that run seen so far
+
+
 def _marked(mark: str) -> dict[int, str]:
-    """pid -> command line of every live process of the run marked ``mark``."""
-    found = {}
+    """pid -> command line of every live process of the run marked ``mark``: those whose environment holds the
+    mark, everything below them, and every one seen so before (Ray's agents retitle themselves, which blanks their
+    ``/proc/PID/environ``, and an orphan is no longer below the run: the ``mark`` fixture samples while it runs)."""
+    seen = _SEEN.setdefault(mark, {})
+    found: dict[int, str] = {}
+
+    def add(proc: psutil.Process) -> None:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = " ".join(proc.cmdline())
+                seen.setdefault(proc.pid, proc.create_time())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.environ().get(_MARK) == mark and proc.status() != psutil.STATUS_ZOMBIE:
-                found[proc.pid] = " ".join(proc.cmdline())
+            if proc.environ().get(_MARK) == mark:
+                for p in (proc, *proc.children(recursive=True)):
+                    add(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+    for pid, started in list(seen.items()):
+        if pid not in found:
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == started:
+                    add(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
     return found
 
 
@@ -89,15 +114,22 @@ def _rows(run_dir: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.fixture
-def mark():
-    mark = uuid.uuid4().hex
+@pytest.fixture(name="mark")  # named: test_recurrent_actors.py imports it under another name
+def mark_fixture():
+    """A fresh mark for one run, whose processes are sampled every 0.25 s while the test runs (see ``_marked``)."""
+    mark, done = uuid.uuid4().hex, threading.Event()
+    sampler = threading.Thread(target=lambda: [_marked(mark) for _ in iter(lambda: done.wait(0.25), True)],
+                               daemon=True)
+    sampler.start()
     yield mark
+    done.set()
+    sampler.join()
     for pid in _marked(mark):  # whatever a failed test left behind
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    _SEEN.pop(mark, None)
 
 
 @needs_ray

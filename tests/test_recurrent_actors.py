@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import psutil
 import pytest
@@ -26,6 +23,7 @@ from ppokit.core.batch import tree_map
 from ppokit.rollout.actors import current_logp_values, vtrace_targets
 from ppokit.update.epochs import SequenceBatch, ppo_epochs
 from test_actors import _actor_pids, _env, _gone, _rows
+from test_ray_actors import mark_fixture  # noqa: F401 - the `mark` fixture
 from test_sequence_minibatches import FirstStats
 
 # One replayed step against the worker's acting step: the synchronous recurrent tests' tolerance
@@ -212,26 +210,13 @@ def test_a_recurrent_actor_run_resumes_with_fresh_workers(tmp_path):
     assert all(math.isfinite(float(r[S.POLICY_LOSS])) for r in _rows(run_dir))
 
 
-@pytest.fixture
-def ray_mark():
-    from test_ray_actors import _marked
-
-    mark = uuid.uuid4().hex
-    yield mark
-    for pid in _marked(mark):  # whatever a failed test left behind
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @needs_ray
-def test_a_recurrent_policy_trains_on_ray_actors_and_leaves_no_process(tmp_path, ray_mark):
+def test_a_recurrent_policy_trains_on_ray_actors_and_leaves_no_process(tmp_path, mark):
     # The same worker class as a Ray actor: its chunks carry the states, and the run's checkpoint evaluates.
     from test_ray_actors import _MARK, RUN_TIMEOUT_S, _actors, _none_left
 
     run_dir = tmp_path / "run"
-    env = {**_env(), _MARK: ray_mark, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**_env(), _MARK: mark, "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "ppokit", "train", "--preset", "cartpole-novel", "--actors", "2",
                              "--ray-address", "local", "--total-timesteps", "2048",
                              "--run-dir", str(run_dir), "--no-tensorboard", "--quiet"],
@@ -239,14 +224,14 @@ def test_a_recurrent_policy_trains_on_ray_actors_and_leaves_no_process(tmp_path,
                             start_new_session=True)
     seen: set[int] = set()
     while proc.poll() is None:
-        seen |= set(_actors(ray_mark))
+        seen |= set(_actors(mark))
         time.sleep(0.2)
     _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, err[-2000:]
     assert len(seen) == 2, seen
     rows = _rows(run_dir)
     assert len(rows) == 2048 // (8 * 32) and all(float(r[S.POLICY_LAG]) <= 8 for r in rows)
-    assert not _none_left(ray_mark), "a process of the Ray run outlived it"
+    assert not _none_left(mark), "a process of the Ray run outlived it"
     ev = subprocess.run([sys.executable, "-m", "ppokit", "eval", str(run_dir), "--episodes", "2"],
                         env=_env(), capture_output=True, text=True, timeout=120)
     assert ev.returncode == 0, ev.stderr[-2000:]

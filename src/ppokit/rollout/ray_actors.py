@@ -17,6 +17,7 @@ two nodes, the cluster left up, a worker node's raylet killed -9 mid-run): tests
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ import torch
 
 from ppokit.core.errors import ConfigError
 from ppokit.rollout.actors import POLL_S, ActorPool, RolloutWorker, actor_backend
+from ppokit.runtime.reaper import Reaper
 
 __all__ = ["RayActorPool", "ray_backend", "require_ray"]
 
@@ -140,6 +142,7 @@ class RayActorPool(ActorPool):
         self.actor_pids: list[int] = []  # every actor process seen, replaced ones included
         self._published: Any = None  # ObjectRef of (version, weights, obs statistics)
         self._connected = False  # this pool called ray.init (and so calls ray.shutdown)
+        self._reaper: Reaper | None = None  # kills a local Ray's processes when this run ends, however it ends
 
     def publish(self, weights: Any, version: int) -> None:
         """One ``ray.put`` of update ``version``'s weights, which every later chunk request carries."""
@@ -153,9 +156,12 @@ class RayActorPool(ActorPool):
             # ray.init installs its own SIGTERM handler (sys.exit(15)), which would end the run without its
             # checkpoint and exit code 130: the run's handlers are put back (main thread only, as Ray's is).
             handlers = _signal_handlers()
-            ray.init(address=address, include_dashboard=False, configure_logging=False,
-                     num_cpus=max(os.cpu_count() or 1, self.config.actors) if local else None,
-                     _node_ip_address="127.0.0.1" if local else None)
+            # A local Ray is this run's to stop, however it ends (runtime/reaper.py).
+            self._reaper = Reaper() if local else None
+            with self._reaper.owning() if local else contextlib.nullcontext():
+                ray.init(address=address, include_dashboard=False, configure_logging=False,
+                         num_cpus=max(os.cpu_count() or 1, self.config.actors) if local else None,
+                         _node_ip_address="127.0.0.1" if local else None)
             _restore(handlers)
             self._connected = True
         state = {k: v.detach().to("cpu", copy=True) for k, v in weights.state_dict().items()}
@@ -174,6 +180,9 @@ class RayActorPool(ActorPool):
         if self._connected and ray.is_initialized():
             ray.shutdown()
         self._connected = False
+        if self._reaper is not None:  # what ray.shutdown() left (its dashboard agent lingers ~1 min)
+            self._reaper.close()
+            self._reaper = None
 
     def _start(self, slot: int) -> None:
         seed = self._worker_seed(slot)

@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from ppokit.runtime.procs import children, kill, start_time
+
 __all__ = ["launch", "describe_failures", "supervised", "watch_launcher", "SHUTDOWN_S", "PIPE_VAR"]
 
 PIPE_VAR = "PPOKIT_NPROC_PIPE"  # "1": this process's stdin is the launcher's pipe (set by ``launch``)
@@ -74,11 +76,11 @@ def launch(nproc: int, argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 pass
             if len(ranks) < nproc:
-                ranks.update(_children(agent.pid))
+                ranks.update(children(agent.pid))
             if received and deadline is None:
                 deadline = time.monotonic() + SHUTDOWN_S + _MARGIN_S
             if deadline is not None and time.monotonic() > deadline:
-                _kill(agent.pid, _start_time(agent.pid))
+                kill(agent.pid, start_time(agent.pid))
                 rc = agent.wait()
                 break
     finally:
@@ -141,51 +143,13 @@ def watch_launcher(agent: bool = False) -> None:
     threading.Thread(target=watch, name="ppokit-launcher-watch", daemon=True).start()
 
 
-# ---------------------------------------------------------------------- processes, by /proc (Linux)
-def _start_time(pid: int) -> str | None:
-    """Field 22 of ``/proc/PID/stat`` (the start time), None once the process has exited (or is a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _children(pid: int) -> dict[int, str]:
-    """The live children of ``pid`` (the ranks of the agent), pid -> start time; {} without /proc."""
-    out = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            out[int(name)] = fields[19]
-    return out
-
-
-def _kill(pid: int, start: str | None) -> None:
-    if start is not None and _start_time(pid) == start:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
+# ---------------------------------------------------------------------- the ranks
 def _reap(ranks: dict[int, str], deadline: float) -> None:
     """Wait until every rank has exited, polling; at ``deadline`` kill the ones left."""
-    while any(_start_time(p) == s for p, s in ranks.items()) and time.monotonic() < deadline:
+    while any(start_time(p) == s for p, s in ranks.items()) and time.monotonic() < deadline:
         time.sleep(0.2)
     for p, s in ranks.items():
-        _kill(p, s)
+        kill(p, s)
 
 
 # ---------------------------------------------------------------------- the agent
