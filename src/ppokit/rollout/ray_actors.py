@@ -8,8 +8,8 @@ keeps one chunk request in flight per actor; each request carries the newest pub
 Everything after the chunk arrives (the lag check, the statistics, V-trace, the update) is ``ActorPool``'s.
 
 ``ADDR``: ``auto`` (the cluster this machine belongs to, ``ray start --head`` first), ``HOST:PORT`` or
-``ray://HOST:PORT``, or ``local`` (start a one-machine Ray here for the run). Under a driver that already called
-``ray.init`` the address is not used. An actor that raises or is lost (its process or node) is named in one line
+``ray://HOST:PORT``, or ``local`` (start a one-machine Ray here for the run; every process of it ends with the run,
+however the run ends: runtime/reaper.py). Under a driver that already called ``ray.init`` the address is not used. An actor that raises or is lost (its process or node) is named in one line
 and replaced, as a process worker is (a lost node's actor with the id of its node). Every node needs ppokit and
 the env's packages installed. Tested on ``local`` and on a three-node ``ray start`` cluster on 127.0.0.1 (actors on
 two nodes, the cluster left up, a worker node's raylet killed -9 mid-run): tests/test_ray_actors.py.
