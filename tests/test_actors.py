@@ -269,20 +269,28 @@ def _running(tmp_path, *flags: str) -> tuple[subprocess.Popen, Path, list[int]]:
     return proc, run_dir, pids
 
 
-def test_kill_9_of_a_worker_mid_run_is_named_and_replaced(tmp_path):
+def test_kill_9_of_a_worker_and_a_stopped_worker_mid_run_are_named_and_replaced(tmp_path):
+    # One worker killed -9, the other stopped (SIGSTOP: alive, silent, as one hung outside an env call): the
+    # first is noticed by its exit, the second by --actor-timeout; each named once and replaced, in one run.
     run_dir = tmp_path / "run"
-    proc = _train(run_dir, "--actors", "2", "--total-timesteps", "40000")
+    proc = _train(run_dir, "--actors", "2", "--total-timesteps", "40000", "--actor-timeout", "3")
     try:
-        victim = _wait_for(lambda: _actor_pids(psutil.Process(proc.pid))[:1], 60, "an actor")[0]
+        killed, stopped = _wait_for(lambda: (len(p := _actor_pids(psutil.Process(proc.pid))) == 2 and p), 60,
+                                    "two actors")
         _wait_for(lambda: (run_dir / "metrics.csv").exists() and len(_rows(run_dir)) > 3, 60, "a few updates")
-        os.kill(victim, signal.SIGKILL)
+        os.kill(stopped, signal.SIGSTOP)
+        os.kill(killed, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
-    named = [line for line in err.splitlines() if f"(pid {victim}) died: killed by SIGKILL; replaced" in line]
+    named = [line for line in err.splitlines() if f"(pid {killed}) died: killed by SIGKILL; replaced" in line]
     assert len(named) == 1, err[-2000:]
-    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 1.0
+    named = [line for line in err.splitlines()
+             if f"(pid {stopped}) died: sent no chunk in 3 s (actor_timeout); killed; replaced" in line]
+    assert len(named) == 1, err[-2000:]
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 2.0
+    assert _gone([killed, stopped], 1.0)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

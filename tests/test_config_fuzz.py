@@ -57,6 +57,7 @@ CLI_CASES = [
     *[("recurrent_critic", "--recurrent-critic", v) for v in ["both", "true"]],
     *[("actors", "--actors", v) for v in ["-1", "2.5", "1000000"]],
     *[("max_policy_lag", "--max-policy-lag", v) for v in ["-1", "1.5"]],
+    *[("actor_timeout", "--actor-timeout", v) for v in ["-1", "nan", "1e999", "x"]],
     ("ray_address", "--ray-address", "auto"),  # refused: Ray places actors, and --actors is 0 here
     *[("seed", "--seed", v) for v in ["-1", "1e999", "4294967296", "1.5"]],
     *[("device", "--device", v) for v in ["cudax", "gpu", "", "cuda:99", "CPU"]],
@@ -97,6 +98,7 @@ TOML_CASES = [
     ("recurrent_seq_len", "recurrent_seq_len = true"),
     *[("actors", f"actors = {v}") for v in ['"2"', "true"]],
     ("max_policy_lag", 'max_policy_lag = "8"'),
+    ("actor_timeout", 'actor_timeout = "600"'),
     *[("ray_address", f"ray_address = {v}") for v in ["1", "[]"]],
     ("clip_coef", 'clip_coef = "0.2"'),
     ("clip_vloss", 'clip_vloss = "yes"'),

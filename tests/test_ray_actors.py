@@ -160,26 +160,32 @@ def test_cartpole_on_two_ray_actors_trains_logs_the_lag_and_leaves_no_process(tm
 
 
 @needs_ray
-def test_a_ray_actor_killed_mid_run_is_named_and_replaced_and_the_run_finishes(tmp_path, mark):
+def test_a_ray_actor_killed_and_one_stopped_mid_run_are_named_and_replaced_and_the_run_finishes(tmp_path, mark):
+    # One actor killed -9, the other stopped (SIGSTOP: alive, silent, as one hung outside an env call, which
+    # --actor-timeout ends).
     run_dir = tmp_path / "run"
-    # Long enough that the kill lands mid-run on a loaded machine too: a CartPole update takes ~20 ms here, so
+    # Long enough that the faults land mid-run on a loaded machine too: a CartPole update takes ~20 ms here, so
     # 12k steps (48 updates) could end between the first rows showing and the kill.
-    proc = _train(run_dir, mark, "--total-timesteps", "61440")
+    proc = _train(run_dir, mark, "--total-timesteps", "61440", "--actor-timeout", "3")
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    victim = None
-    while victim is None and proc.poll() is None and time.monotonic() < deadline:
+    victims = None
+    while victims is None and proc.poll() is None and time.monotonic() < deadline:
         rows = _rows(run_dir) if (run_dir / "metrics.csv").exists() else []
         actors = _actors(mark)
-        if len(rows) >= 3 and actors:  # mid-run: updates done, more to come
-            victim = actors[0]
-            os.kill(victim, signal.SIGKILL)
+        if len(rows) >= 3 and len(actors) == 2:  # mid-run: updates done, more to come
+            victims = actors
+            os.kill(actors[1], signal.SIGSTOP)
+            os.kill(actors[0], signal.SIGKILL)
         time.sleep(0.2)
-    assert victim is not None, "the run ended before an actor could be killed"
+    assert victims is not None, "the run ended before its actors could be killed"
     out, err = _finish(proc)
     assert proc.returncode == 0, err[-2000:]
-    named = [line for line in err.splitlines() if f"(Ray actor, pid {victim}) died:" in line]
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {victims[0]}) died:" in line]
     assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
-    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) >= 1
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {victims[1]}) died: sent no chunk in 3 s "
+             "(actor_timeout); killed; replaced by a fresh Ray actor" in line]
+    assert len(named) == 1, err[-2000:]
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) >= 2
     assert not _none_left(mark), "a process of the Ray run outlived it"
 
 

@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -56,7 +57,7 @@ def _chunks(tmp_path, count: int, **fields) -> tuple[object, list[dict]]:
             pool.collect(0)
             buf = pool.buffer
             chunks.append({"buffer": type(buf)(**{k: tree_map(torch.clone, v) for k, v in buf.items()}),
-                           "last_obs": pool.last_obs.clone(), "last_state": pool.last_state})
+                           "last_obs": tree_map(torch.clone, pool.last_obs), "last_state": pool.last_state})
         pids = [p.pid for p in pool.workers.values()]
     finally:
         pool.close()
@@ -83,6 +84,33 @@ def test_each_chunk_carries_the_state_its_workers_policy_had_at_every_step(tmp_p
     torch.testing.assert_close(second["last_state"][0], state, rtol=0, atol=ATOL)
     # Not a trivial chunk: some env starts an episode mid-chunk, and the states carried are not zeros.
     assert b.episode_start[1:].any() and b.policy_state.abs().sum() > 0
+
+
+@pytest.mark.parametrize("env_id,kind", [("obs_envs:DictCartPoleNoVel-v0", "dict"),
+                                         ("obs_envs:PixelCartPoleNoVel-v0", "image")])
+def test_dict_and_image_observations_carry_their_state_and_train_with_actors(tmp_path, env_id, kind):
+    # The Dict encoder's and the Nature CNN's trunks before the core: the chunk's observations arrive as the
+    # worker saw them, and the learner's replay of its second chunk gives the worker's log-probs and values.
+    from ppokit.training.trainer import train
+
+    sys.path.insert(0, str(Path(__file__).parent))  # the workers import obs_envs as the env id says
+    fields = {"env_id": env_id, "recurrent": "lstm", "normalize_obs": kind == "dict"}  # pixels: scaled in the CNN
+    policy, (_, chunk) = _chunks(tmp_path, 2, recurrent_critic="separate", recurrent_seq_len=8, **fields)
+    buf = chunk["buffer"]
+    if kind == "dict":
+        assert set(buf.obs) == {"x", "theta"} and buf.obs["x"].shape == buf.rewards.shape + (1,)
+    else:
+        assert buf.obs.dtype == torch.uint8 and buf.obs.shape[-3:] in ((36, 36, 1), (1, 36, 36))
+    with torch.inference_mode():
+        logp, values = current_logp_values(policy, buf, 8)
+        torch.testing.assert_close(logp, buf.logp, rtol=0, atol=ATOL)
+        torch.testing.assert_close(values, buf.values, rtol=0, atol=ATOL)
+        zeroed = type(buf)(**dict(buf.items(), policy_state=torch.zeros_like(buf.policy_state)))
+        assert not torch.allclose(current_logp_values(policy, zeroed, 8)[0], buf.logp, atol=1e-3)
+    # And whole updates: two, on one actor's chunks, finite.
+    cfg = _config(tmp_path, total_timesteps=2 * 4 * 32, run_dir=str(tmp_path / "trained"), **fields)
+    run = train(cfg, console_enabled=False)
+    assert len(run.metrics) == 2 and all(math.isfinite(m[S.POLICY_LOSS]) for m in run.metrics)
 
 
 @pytest.mark.parametrize("cell,critic,seq_len", [("lstm", "separate", 8), ("gru", "shared", 0),

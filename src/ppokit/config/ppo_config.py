@@ -137,6 +137,9 @@ class PPOConfig:
                      "the synchronous loop")
     max_policy_lag: int = _f(8, "with actors: a chunk acted by weights more than this many updates behind the "
                              "learner is dropped (and counted in diag/dropped_chunks_frac)")
+    actor_timeout: float | None = _f(600.0, "with actors: seconds a worker may take to send one chunk (60 s more for "
+                                     "its first) before it is named, killed and replaced (none or 0: no limit)",
+                                     max=1e6)
     ray_address: str | None = _f(None, "with actors: run them as Ray actors (extra ray, rollout/ray_actors.py) on the "
                                  "Ray cluster at this address: auto (the one `ray start --head` started), HOST:PORT, "
                                  "ray://HOST:PORT, or local (a one-machine Ray for the run); none: worker processes")
@@ -212,6 +215,9 @@ class PPOConfig:
             need(math.isfinite(value), name, f"must be a finite number, got {_show(value)}")
         need(self.env_timeout is None or (math.isfinite(self.env_timeout) and self.env_timeout >= 0), "env_timeout",
              f"must be a positive number of seconds, or none or 0 for no limit, got {_show(self.env_timeout)}")
+        need(self.actor_timeout is None or (math.isfinite(self.actor_timeout) and self.actor_timeout >= 0),
+             "actor_timeout", "must be a positive number of seconds, or none or 0 for no limit, got "
+             f"{_show(self.actor_timeout)}")
         for f in dataclasses.fields(self):
             value, top = getattr(self, f.name), f.metadata.get("max")
             if top is not None and value is not None:

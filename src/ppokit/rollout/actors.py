@@ -30,7 +30,8 @@ merges in (``merge_moments``), dropped chunks included. Reward scaling is per en
 
 Faults: a worker that raises reports it and exits, an env call of its that hangs past ``env_timeout`` included
 (each worker runs the synchronous loop's watchdog, ``envs.watchdog``); one that dies otherwise (kill -9) is
-noticed within ``POLL_S``; either is named in one line on stderr and replaced by a fresh worker (new env seeds), counted in
+noticed within ``POLL_S``; one that sends no chunk for ``actor_timeout`` seconds (hung elsewhere, or stopped;
+RLlib's ``sample_timeout_s``) is killed; each is named in one line on stderr and replaced by a fresh worker (new env seeds), counted in
 ``diag/actor_replacements``. Workers ignore Ctrl-C (the learner finishes its update and stops them) and die with
 the learner (``die_with_parent``). Not supported yet, refused by the config: capture_video, a CUDA learner; by
 ``build``: data-parallel ranks and a custom env or policy factory (a worker must rebuild them). A truncated
@@ -69,13 +70,16 @@ from ppokit.rollout.collector import Collector
 from ppokit.rollout.normalize import merge_moments, split_moments
 
 __all__ = ["ActorPool", "RolloutWorker", "actor_backend", "current_logp_values", "vtrace_targets", "POLL_S",
-           "STOP_GRACE_S"]
+           "START_GRACE_S", "STOP_GRACE_S"]
 
 # The learner looks at its workers at least this often while it waits for a chunk, so a kill -9 is noticed within
 # it; a worker waiting to hand over a chunk looks at the stop flag as often.
 POLL_S = 0.2
 # A stopping worker finishes its chunk (Hopper: 2048 steps, ~1.5 s on this machine) and is killed after this.
 STOP_GRACE_S = 5.0
+# A worker's first chunk may take this much longer than actor_timeout: its start (spawn, imports, envs) takes ~2-5 s
+# here, more on a loaded machine or a Ray node that is still installing.
+START_GRACE_S = 60.0
 # A worker that raised has put its report on the queue: this exit code says so (the learner then reads the report
 # instead of guessing from the exit code).
 _REPORTED = 3
@@ -116,7 +120,9 @@ class _Shared:
         self.obs_stats = tree_map(shared, obs_norm.state_dict()) if obs_norm is not None else None
         self.version = ctx.Value("q", -1, lock=False)
         self.seq = ctx.Value("q", 0, lock=False)  # odd while the learner writes the weights
-        self.stop = ctx.Event()
+        # A flag in shared memory, not an Event: an Event's lock held by a worker that is stopped (SIGSTOP) or
+        # killed while it looks would block every other worker and the learner's close() for good.
+        self.stop = _Flag(ctx)
 
     def push(self, policy: torch.nn.Module, obs_norm: Any, version: int) -> None:
         """Publish the learner's weights (and statistics) as ``version``."""
@@ -148,6 +154,19 @@ class _Shared:
                 return version
 
 
+class _Flag:
+    """A one-way flag every process may read without a lock (set once, by the learner)."""
+
+    def __init__(self, ctx: Any):
+        self._value = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+
 def _hand_over(q: Any, stop: Any, item: dict) -> bool:
     """Put ``item`` on the worker's queue ``q`` for the learner; False once the learner asked the workers to stop."""
     while not stop.is_set():
@@ -173,6 +192,12 @@ def _worker_main(slot: int, pid_parent: int, cfg: Any, seed: int, shared: _Share
     die_with_parent(pid_parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it finishes the update, then stops us
     torch.set_num_threads(1)
+    # A chunk's tensors travel as named shared-memory files (torch's file_system strategy), which the learner opens
+    # by name: with the default file-descriptor strategy it connects to this process to receive them, and waits
+    # for good on a worker that is stopped (SIGSTOP) or hung. torch's shm manager unlinks the files of a killed
+    # worker. The strategy is the sender's: the learner's own stays as it was. Measured side by side (bench_actors.py,
+    # CartPole 50k steps, two sittings): --actors 1 in 9.2 and 9.6 s against 9.3 and 10.9 s with descriptors.
+    torch.multiprocessing.set_sharing_strategy("file_system")
     try:
         _act(slot, cfg, seed, shared, q, acting_type)
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the learner names it in one line
@@ -293,6 +318,7 @@ class ActorPool(Collector):
         self.starts = 0  # workers started so far (each gets its own env seeds)
         self.replacements = self.dropped = self.taken = self.lost = 0  # lost: chunks of workers that died
         self._failures_in_a_row = 0
+        self.asked_at: dict[int, float] = {}  # slot -> when its worker's current chunk was asked for (actor_timeout)
         self._seed = config.seed
         self._shared: _Shared | None = None
         self._fields = {f.name for f in ROLLOUT_FIELDS.fields() if self.buffer.__dict__[f.name] is not None}
@@ -395,6 +421,7 @@ class ActorPool(Collector):
                                 name=f"ppokit-actor-{slot}", daemon=False)  # daemon=False: async envs start children
         proc.start()
         self.workers[slot] = proc
+        self.asked_at[slot] = time.monotonic() + START_GRACE_S
 
     # What a transport does to a dead worker's slot (the process pool here, the Ray pool in ray_actors.py).
     def _current(self, slot: int, pid: int | None) -> bool:
@@ -434,9 +461,23 @@ class ActorPool(Collector):
         sys.stderr.write(line)
         sys.stderr.flush()
 
+    def _overdue(self) -> list[int]:
+        """The slots whose worker has taken more than ``actor_timeout`` seconds over its current chunk."""
+        limit, now = self.config.actor_timeout, time.monotonic()
+        return [slot for slot, t in self.asked_at.items() if limit and now - t > limit]
+
+    def _timed_out(self) -> str:
+        """The reason told for a worker killed by ``actor_timeout``."""
+        return f"sent no chunk in {self.config.actor_timeout:g} s (actor_timeout); killed"
+
     def _check_workers(self) -> None:
         for slot, proc in list(self.workers.items()):
             code = proc.exitcode
+            if code is None and slot in self._overdue() and self.queues[slot].empty():
+                proc.kill()  # hung outside an env call (those raise after env_timeout) or stopped: no grace
+                proc.join(timeout=STOP_GRACE_S)
+                self._replace(slot, proc.pid, self._timed_out())
+                continue
             if code is None or code == _REPORTED:  # alive, or its report is on the queue
                 continue
             why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
@@ -457,12 +498,12 @@ class ActorPool(Collector):
                 except queue.Empty:
                     continue
                 except (ConnectionError, EOFError, OSError):
-                    # A chunk's tensors are fetched from the worker that sent it when unpickled (torch's
-                    # file-descriptor sharing): one whose worker died since is lost with it. The death is noticed
-                    # by _check_workers.
+                    # A chunk whose worker died as it sent it (its shared-memory files gone with it: see
+                    # _worker_main) is lost with it. The death is noticed by _check_workers.
                     self.lost += 1
                     continue
                 self._next_slot = (self._next_slot + i + 1) % len(slots)
+                self.asked_at[slot] = time.monotonic()  # the worker, free to put again, steps its next chunk
                 return item
             time.sleep(_IDLE_S)
 

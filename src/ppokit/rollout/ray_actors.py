@@ -22,12 +22,13 @@ import os
 import re
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
 
 from ppokit.core.errors import ConfigError
-from ppokit.rollout.actors import POLL_S, ActorPool, RolloutWorker, actor_backend
+from ppokit.rollout.actors import POLL_S, START_GRACE_S, ActorPool, RolloutWorker, actor_backend
 from ppokit.runtime.reaper import Reaper
 
 __all__ = ["RayActorPool", "ray_backend", "require_ray"]
@@ -193,6 +194,7 @@ class RayActorPool(ActorPool):
         self.slot_pids.pop(slot, None)
         self.slot_nodes.pop(slot, None)
         self.pending[actor.chunk_with.remote(self._published)] = slot
+        self.asked_at[slot] = time.monotonic() + START_GRACE_S
 
     def _pid(self, slot: int) -> int | None:
         """The pid of ``slot``'s actor once it answered, else None (it died first, or is still starting)."""
@@ -217,6 +219,11 @@ class RayActorPool(ActorPool):
         if pid not in self.actor_pids:
             self.actor_pids.append(pid)
 
+    def _still_out(self, slot: int) -> bool:
+        """Whether ``slot``'s chunk request has not come back (a finished one waits to be taken: not overdue)."""
+        refs = [ref for ref, s in self.pending.items() if s == slot]
+        return bool(refs) and not self.ray.wait(refs, timeout=0)[0]
+
     def _current(self, slot: int, pid: int | None) -> bool:
         return slot in self.actors and self._pid(slot) == pid
 
@@ -234,6 +241,10 @@ class RayActorPool(ActorPool):
     def _next_item(self) -> dict:
         ray = self.ray
         while True:
+            for slot in self._overdue():  # hung outside an env call (those raise after env_timeout), or stopped
+                if slot in self.actors and self._still_out(slot):
+                    _kill(ray, self.actors[slot])
+                    return {"kind": "error", "slot": slot, "pid": self._pid(slot), "message": self._timed_out()}
             ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=POLL_S)
             if not ready:
                 continue
@@ -248,6 +259,7 @@ class RayActorPool(ActorPool):
                 return {"kind": "error", "slot": slot, "pid": pid,
                         "message": _one_line(ray, exc, self.slot_nodes.get(slot))}
             self.pending[self.actors[slot].chunk_with.remote(self._published)] = slot
+            self.asked_at[slot] = time.monotonic()
             return item
 
 
