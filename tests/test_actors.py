@@ -175,6 +175,41 @@ def test_vtrace_targets_use_the_current_policy(tmp_path):
     torch.testing.assert_close(ret, ref)
 
 
+@pytest.mark.parametrize("proximal", [False, True])
+def test_the_surrogate_is_clipped_against_actor_clips_policy_and_rho_weighs_the_advantage(tmp_path, proximal):
+    # A lagged chunk (the learner's actor moved since the worker acted). proximal: after vtrace_targets the
+    # ratio's denominator is the learner's pre-update policy (the first ratio of the update is exactly 1, so the
+    # clip bounds this update's step, not the lag); behaviour: the log-probs that acted stay. Either way the
+    # behaviour correction is in the advantages, V-trace's rho_t = min(1, pi/mu) times its TD error.
+    from ppokit.core.vtrace import vtrace
+    from ppokit.rollout.actors import vtrace_targets
+
+    parts = _pool(tmp_path)
+    pool, policy = parts.collector, parts.policy
+    try:
+        pool.publish(policy, 0)
+        pool.collect(0)
+    finally:
+        pool.close()
+        parts.envs.close()
+    buf = pool.buffer
+    behaviour = buf.logp.clone()
+    with torch.no_grad():
+        for p in policy.actor.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        current, _, _ = policy.evaluate(buf.obs.flatten(0, 1), buf.actions.flatten(0, 1))
+        current = current.reshape(behaviour.shape)
+    assert not torch.allclose(current, behaviour, atol=1e-3)  # lagged: the ratios to the behaviour are not 1
+    adv, ret = vtrace_targets(policy, buf, pool.last_obs, 0.98, 0.95, proximal=proximal)
+    torch.testing.assert_close(buf.logp, current if proximal else behaviour)
+    with torch.no_grad():
+        boot = policy.value(pool.last_obs)
+    ref_ret, ref_adv = vtrace(behaviour, current, buf.rewards, buf.values, buf.next_values(boot), buf.terminated,
+                              buf.truncated, 0.98, 0.95)
+    torch.testing.assert_close(adv, ref_adv)
+    torch.testing.assert_close(ret, ref_ret)
+
+
 def test_a_masked_env_trains_with_actors_on_its_masks(tmp_path):
     # GridWorld with walls: the masks travel in each chunk, and a policy acting on them never bumps a wall; the
     # preset's 8192 steps reach the registered return threshold as the synchronous loop does (test_masking.py).

@@ -58,6 +58,7 @@ CLI_CASES = [
     *[("actors", "--actors", v) for v in ["-1", "2.5", "1000000"]],
     *[("max_policy_lag", "--max-policy-lag", v) for v in ["-1", "1.5"]],
     *[("actor_timeout", "--actor-timeout", v) for v in ["-1", "nan", "1e999", "x"]],
+    *[("actor_clip", "--actor-clip", v) for v in ["ppo", "Proximal", ""]],
     ("ray_address", "--ray-address", "auto"),  # refused: Ray places actors, and --actors is 0 here
     *[("seed", "--seed", v) for v in ["-1", "1e999", "4294967296", "1.5"]],
     *[("device", "--device", v) for v in ["cudax", "gpu", "", "cuda:99", "CPU"]],

@@ -187,6 +187,26 @@ def test_the_learners_first_epoch_on_an_actors_chunk_has_ratio_one(tmp_path):
     assert result.approx_kl < 1e-9 and float(result.stats["clipfrac"]) == 0.0
 
 
+@pytest.mark.parametrize("actor_clip", ["behaviour", "proximal"])
+def test_a_lagged_updates_first_ratio_is_one_against_the_proximal_policy_only(tmp_path, actor_clip):
+    # Three updates on one actor: the worker steps its second chunk before the learner's first update is published
+    # (it hands the first over at once), so a later update trains on a chunk one version behind. Its first
+    # minibatch's ratio is exactly 1 against the proximal policy, and not against the behaviour's log-probs.
+    from ppokit.training.trainer import Trainer
+
+    cfg = _config(tmp_path, recurrent_seq_len=8, total_timesteps=3 * 4 * 32, actor_clip=actor_clip)
+    trainer = Trainer(cfg, console_enabled=False)
+    seen: list = []
+    trainer.epoch_loop = lambda batch, s, step, **k: ppo_epochs(batch, s, FirstStats(step, seen), **k)
+    run = trainer.run()
+    lags = [m[S.POLICY_LAG] for m in run.metrics]
+    per_update = len(seen) // len(lags)
+    assert len(lags) == 3 and len(seen) == 3 * per_update and max(lags) >= 1, lags
+    for lag, (mb, logp, _) in zip(lags, seen[::per_update]):
+        one = torch.allclose(logp[mb.mask], mb.logp_old[mb.mask], rtol=0, atol=ATOL)
+        assert one if (actor_clip == "proximal" or lag == 0) else not one, (actor_clip, lag)
+
+
 def _train(*args: str, timeout: float = 170.0) -> tuple[int, str, list[int]]:
     """``ppokit train ARGS`` in a child process: (exit code, stderr, every actor pid seen while it ran)."""
     proc = subprocess.Popen([sys.executable, "-m", "ppokit", "train", "--quiet", *args], env=_env(),

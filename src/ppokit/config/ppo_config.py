@@ -37,6 +37,7 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 ACTIVATIONS = ("tanh", "relu")
 RECURRENT = ("none", "lstm", "gru")
 RECURRENT_CRITICS = ("separate", "shared")
+ACTOR_CLIPS = ("behaviour", "proximal")  # with actors: the ratio's denominator (rollout/actors.py)
 
 # The trust-region guard rails (docs/diagnostics.md, "Guard rails"): beyond these a run is refused unless marked
 # unsafe.
@@ -137,6 +138,10 @@ class PPOConfig:
                      "the synchronous loop")
     max_policy_lag: int = _f(8, "with actors: a chunk acted by weights more than this many updates behind the "
                              "learner is dropped (and counted in diag/dropped_chunks_frac)")
+    actor_clip: str = _f("behaviour", "with actors: what the surrogate's ratio is clipped against: behaviour (the "
+                         "weights that acted: APPO's form) or proximal (the learner's at the update's start, rho "
+                         "weighing the advantage: Hilton et al. 2021; the mujoco preset's, where it learned twice as "
+                         "fast: benchmarks/RESULTS.md)")
     actor_timeout: float | None = _f(600.0, "with actors: seconds a worker may take to send one chunk (60 s more for "
                                      "its first) before it is named, killed and replaced (none or 0: no limit)",
                                      max=1e6)
@@ -260,6 +265,8 @@ class PPOConfig:
         need(self.algo in ALGOS, "algo", f"must be one of {', '.join(ALGOS)}, got {self.algo!r}")
         need(self.activation in ACTIVATIONS, "activation", f"must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         need(self.recurrent in RECURRENT, "recurrent", f"must be one of {', '.join(RECURRENT)}, got {self.recurrent!r}")
+        need(self.actor_clip in ACTOR_CLIPS, "actor_clip",
+             f"must be one of {', '.join(ACTOR_CLIPS)}, got {self.actor_clip!r}")
         need(self.recurrent_critic in RECURRENT_CRITICS, "recurrent_critic",
              f"must be one of {', '.join(RECURRENT_CRITICS)}, got {self.recurrent_critic!r}")
         need(isinstance(self.recurrent_hidden, int) and 1 <= self.recurrent_hidden <= 1 << 16, "recurrent_hidden",

@@ -16,13 +16,22 @@ replaced worker's queue is dropped with it.
 
 The learner takes one chunk per update into its ``[T, N]`` buffer, dropping (and counting) those more than
 ``max_policy_lag`` versions old; ``vtrace_targets`` then gives the update V-trace targets and APPO's advantages
-under the CURRENT policy, and the usual PPO epochs run with the clipped surrogate against the behaviour
-log-probs frozen in the chunk. So ``diag/clipfrac`` and ``diag/approx_kl`` measure the distance from the
-behaviour policy, lag included: on CartPole (cartpole preset, 30k steps, seeds 1-4) the clip fraction of the
-last 20 updates is 0.50-0.67 with 2 actors against 0.09 for the synchronous loop, while the returns are as
-high (252-500 vs ~200 at seed 1). Clipping against the learner's pre-update policy instead (the "proximal"
-policy of Hilton et al. 2021, rho carrying the behaviour correction) brings it to 0.03-0.21, but learned less
-in the same runs (157-500).
+``rho_t (r_t + gamma vs_{t+1} - V(x_t))`` under the CURRENT policy, ``rho_t = min(1, pi/mu)`` carrying the
+behaviour correction, and the usual PPO epochs run with the surrogate clipped against ``actor_clip``'s policy:
+
+- ``behaviour`` (the default; APPO's first form): the log-probs frozen in the chunk, so ``diag/clipfrac`` and
+  ``diag/approx_kl`` include the lag, and the clip bounds the drift from the weights that acted;
+- ``proximal``: the learner's policy at the start of the update (Hilton et al. 2021, "Batch size-invariance for
+  policy optimization"; RLlib's APPO clips against its target network likewise), whose log-probs replace the
+  behaviour's in the buffer: the first ratio of every update is 1 and the clip bounds this update's step.
+
+Neither learns as the synchronous loop does on both tasks measured (``bench_actors.py --curves``, 3 seeds, mean
+training return, benchmarks/RESULTS.md). Hopper (mujoco preset), last 20k of 200k steps: synchronous 1,560;
+one actor (lag 1) 411 behaviour, 830 proximal; two actors 381 and 542. With ``behaviour`` one actor's clip fraction
+was 0.28 against 0.03 synchronous: a whole update back, most samples start at the clip's edge. CartPole
+(cartpole preset), 100k steps: both 500 by 50k steps with ``behaviour`` (faster than the synchronous loop's 462
+at 40k), 472 and 440 at 100k with ``proximal``. So ``behaviour`` is the default and the mujoco preset sets
+``proximal``.
 
 Observation normalization stays one set of statistics, the learner's: each worker normalizes with the published
 statistics and ships the moments of the observations it added (``normalize.split_moments``), which the learner
@@ -556,12 +565,13 @@ def current_logp_values(policy: Any, buffer: RolloutBuffer, seq_len: int) -> tup
 
 
 def vtrace_targets(policy: Any, buffer: RolloutBuffer, last_obs: Any, gamma: float, lam: float,
-                   seq_len: int | None = None, last_state: tuple[Any, torch.Tensor] | None = None) -> tuple[
-        torch.Tensor, torch.Tensor]:
+                   seq_len: int | None = None, last_state: tuple[Any, torch.Tensor] | None = None,
+                   proximal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` ``[T, N]`` of a chunk under the current ``policy``: V-trace targets as returns,
     APPO's ``rho_t (r_t + gamma vs_{t+1} - V(x_t))`` as advantages (``core.vtrace``), with ``lam`` on the traces.
-    ``buffer.values`` becomes the current policy's V(x_t) (the value loss and its clipping start from it); the
-    behaviour log-probs in ``buffer.logp`` stay the surrogate's denominator. A stateful policy replays the chunk
+    ``buffer.values`` becomes the current policy's V(x_t) (the value loss and its clipping start from it); with
+    ``proximal`` (``actor_clip``), ``buffer.logp`` becomes its log-probs too (the surrogate is then clipped against
+    the policy the update starts from), else the behaviour's stay the surrogate's denominator. A stateful policy replays the chunk
     in sequences of ``seq_len`` steps (default: the whole chunk; ``current_logp_values``) and bootstraps from
     ``last_state``, the worker's ``(state, episode_start)`` after the chunk."""
     T, N = buffer.rewards.shape
@@ -577,4 +587,6 @@ def vtrace_targets(policy: Any, buffer: RolloutBuffer, last_obs: Any, gamma: flo
         next_values = buffer.next_values(last_values)
         vs, advantages = vtrace(buffer.logp, logp, buffer.rewards, buffer.values, next_values,
                                 buffer.terminated, buffer.truncated, gamma, lam)
+        if proximal:  # the surrogate's denominator: see the module docstring
+            buffer.logp.copy_(logp)
     return advantages, vs

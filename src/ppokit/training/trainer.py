@@ -309,7 +309,8 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
             # A recurrent policy replays each env's chunk in the update's sequences, from the states it carries.
             advantages, returns = vtrace_targets(self.policy, buf, self.collector.last_obs, cfg.gamma, cfg.gae_lambda,
                                                  seq_len=cfg.recurrent_seq_len or cfg.num_steps,
-                                                 last_state=self.collector.last_state)
+                                                 last_state=self.collector.last_state,
+                                                 proximal=cfg.actor_clip == "proximal")
             return buf.flat(advantages, returns), advantages, returns
         last_values = bootstrap_values(self.policy, self.collector)  # a stateful policy's from its live state
         next_values = buf.next_values(last_values)
