@@ -42,7 +42,14 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def _actor_pids(proc: psutil.Process) -> list[int]:
     """The learner's rollout workers (spawned interpreters named ppokit-actor-K by multiprocessing)."""
-    return [c.pid for c in proc.children() if "multiprocessing.spawn" in " ".join(c.cmdline())]
+    pids = []
+    for c in proc.children():
+        try:
+            if "multiprocessing.spawn" in " ".join(c.cmdline()):
+                pids.append(c.pid)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):  # a worker that just died, not yet joined
+            continue
+    return pids
 
 
 def _gone(pids: list[int], timeout: float = 10.0) -> bool:
@@ -304,25 +311,33 @@ def _running(tmp_path, *flags: str) -> tuple[subprocess.Popen, Path, list[int]]:
     return proc, run_dir, pids
 
 
-def test_kill_9_of_a_worker_and_a_stopped_worker_mid_run_are_named_and_replaced(tmp_path):
-    # One worker killed -9, the other stopped (SIGSTOP: alive, silent, as one hung outside an env call): the
-    # first is noticed by its exit, the second by --actor-timeout; each named once and replaced, in one run.
+def test_a_stopped_worker_and_a_killed_one_mid_run_are_named_and_replaced(tmp_path):
+    # One actor, so that every chunk so far is its own (a worker still in its first chunk has 60 s more): stopped
+    # (SIGSTOP: alive, silent, as one hung outside an env call), it is ended by --actor-timeout; its replacement,
+    # once it has sent chunks too, is killed -9 and noticed by its exit. Each named once, in one run.
     run_dir = tmp_path / "run"
-    proc = _train(run_dir, "--actors", "2", "--total-timesteps", "40000", "--actor-timeout", "3")
+    proc = _train(run_dir, "--actors", "1", "--total-timesteps", "61440", "--actor-timeout", "3")
     try:
-        killed, stopped = _wait_for(lambda: (len(p := _actor_pids(psutil.Process(proc.pid))) == 2 and p), 60,
-                                    "two actors")
-        _wait_for(lambda: (run_dir / "metrics.csv").exists() and len(_rows(run_dir)) > 3, 60, "a few updates")
+        def rows() -> int:
+            return len(_rows(run_dir)) if (run_dir / "metrics.csv").exists() else 0
+
+        def actor() -> list[int]:
+            return _actor_pids(psutil.Process(proc.pid))
+
+        stopped = _wait_for(lambda: rows() > 3 and actor(), 60, "a few updates")[0]
         os.kill(stopped, signal.SIGSTOP)
+        killed = _wait_for(lambda: [p for p in actor() if p != stopped], 60, "the stopped worker's replacement")[0]
+        seen = rows()
+        _wait_for(lambda: rows() > seen + 3, 60, "updates on the replacement's chunks")
         os.kill(killed, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
-    named = [line for line in err.splitlines() if f"(pid {killed}) died: killed by SIGKILL; replaced" in line]
-    assert len(named) == 1, err[-2000:]
     named = [line for line in err.splitlines()
              if f"(pid {stopped}) died: sent no chunk in 3 s (actor_timeout); killed; replaced" in line]
+    assert len(named) == 1, err[-2000:]
+    named = [line for line in err.splitlines() if f"(pid {killed}) died: killed by SIGKILL; replaced" in line]
     assert len(named) == 1, err[-2000:]
     assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 2.0
     assert _gone([killed, stopped], 1.0)

@@ -160,32 +160,37 @@ def test_cartpole_on_two_ray_actors_trains_logs_the_lag_and_leaves_no_process(tm
 
 
 @needs_ray
-def test_a_ray_actor_killed_and_one_stopped_mid_run_are_named_and_replaced_and_the_run_finishes(tmp_path, mark):
-    # One actor killed -9, the other stopped (SIGSTOP: alive, silent, as one hung outside an env call, which
-    # --actor-timeout ends).
+def test_a_stopped_ray_actor_and_a_killed_one_mid_run_are_named_and_replaced_and_the_run_finishes(tmp_path, mark):
+    # One actor, so that every chunk so far is its own (an actor still in its first chunk has 60 s more): stopped
+    # (SIGSTOP: alive, silent, as one hung outside an env call), it is ended by --actor-timeout; its replacement,
+    # once it has sent chunks too, is killed -9. Long enough that both land mid-run on a loaded machine.
     run_dir = tmp_path / "run"
-    # Long enough that the faults land mid-run on a loaded machine too: a CartPole update takes ~20 ms here, so
-    # 12k steps (48 updates) could end between the first rows showing and the kill.
-    proc = _train(run_dir, mark, "--total-timesteps", "61440", "--actor-timeout", "3")
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    victims = None
-    while victims is None and proc.poll() is None and time.monotonic() < deadline:
-        rows = _rows(run_dir) if (run_dir / "metrics.csv").exists() else []
-        actors = _actors(mark)
-        if len(rows) >= 3 and len(actors) == 2:  # mid-run: updates done, more to come
-            victims = actors
-            os.kill(actors[1], signal.SIGSTOP)
-            os.kill(actors[0], signal.SIGKILL)
-        time.sleep(0.2)
-    assert victims is not None, "the run ended before its actors could be killed"
+    proc = _train(run_dir, mark, "--actors", "1", "--total-timesteps", "61440", "--actor-timeout", "3")
+
+    def until(pred, what: str):
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (got := pred()):
+            assert proc.poll() is None and time.monotonic() < deadline, f"{what}: {proc.poll()}"
+            time.sleep(0.2)
+        return got
+
+    def rows() -> int:
+        return len(_rows(run_dir)) if (run_dir / "metrics.csv").exists() else 0
+
+    stopped = until(lambda: rows() >= 3 and _actors(mark), "a few updates")[0]
+    os.kill(stopped, signal.SIGSTOP)
+    killed = until(lambda: [p for p in _actors(mark) if p != stopped], "the stopped actor's replacement")[0]
+    seen = rows()
+    until(lambda: rows() > seen + 3, "updates on the replacement's chunks")
+    os.kill(killed, signal.SIGKILL)
     out, err = _finish(proc)
     assert proc.returncode == 0, err[-2000:]
-    named = [line for line in err.splitlines() if f"(Ray actor, pid {victims[0]}) died:" in line]
-    assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
-    named = [line for line in err.splitlines() if f"(Ray actor, pid {victims[1]}) died: sent no chunk in 3 s "
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {stopped}) died: sent no chunk in 3 s "
              "(actor_timeout); killed; replaced by a fresh Ray actor" in line]
     assert len(named) == 1, err[-2000:]
-    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) >= 2
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {killed}) died:" in line]
+    assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 2
     assert not _none_left(mark), "a process of the Ray run outlived it"
 
 
