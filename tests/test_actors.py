@@ -155,12 +155,8 @@ def test_lag_within_max_policy_lag_is_trained_on(tmp_path):
         parts.envs.close()
 
 
-def test_vtrace_targets_use_the_current_policy(tmp_path):
-    # The learner's values replace the behaviour's; on-policy (weights unchanged) with lambda = 1 the targets are
-    # the chunk's n-step returns, GAE(1)'s.
-    from ppokit.core.advantages import gae
-    from ppokit.rollout.actors import vtrace_targets
-
+def _one_chunk(tmp_path):
+    """``(pool, policy)`` after one chunk of a real worker acting with the learner's weights (workers stopped)."""
     parts = _pool(tmp_path)
     pool, policy = parts.collector, parts.policy
     try:
@@ -169,6 +165,16 @@ def test_vtrace_targets_use_the_current_policy(tmp_path):
     finally:
         pool.close()
         parts.envs.close()
+    return pool, policy
+
+
+def test_vtrace_targets_use_the_current_policy(tmp_path):
+    # The learner's values replace the behaviour's; on-policy (weights unchanged) with lambda = 1 the targets are
+    # the chunk's n-step returns, GAE(1)'s.
+    from ppokit.core.advantages import gae
+    from ppokit.rollout.actors import vtrace_targets
+
+    pool, policy = _one_chunk(tmp_path)
     buf = pool.buffer
     behaviour_values = buf.values.clone()
     with torch.no_grad():
@@ -191,14 +197,7 @@ def test_the_surrogate_is_clipped_against_actor_clips_policy_and_rho_weighs_the_
     from ppokit.core.vtrace import vtrace
     from ppokit.rollout.actors import vtrace_targets
 
-    parts = _pool(tmp_path)
-    pool, policy = parts.collector, parts.policy
-    try:
-        pool.publish(policy, 0)
-        pool.collect(0)
-    finally:
-        pool.close()
-        parts.envs.close()
+    pool, policy = _one_chunk(tmp_path)
     buf = pool.buffer
     behaviour = buf.logp.clone()
     with torch.no_grad():
