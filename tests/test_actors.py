@@ -155,6 +155,54 @@ def test_lag_within_max_policy_lag_is_trained_on(tmp_path):
         parts.envs.close()
 
 
+# One env: the scalar loop (rollout/one_env.py); three: the vector one. "kernel": acting with the fused path's
+# acting kernel, as a worker of a fused learner does (it must see weights loaded in place mid-chunk).
+@pytest.mark.parametrize("num_envs,acting", [(1, "eager"), (3, "eager"), (1, "kernel"), (3, "kernel")])
+def test_weights_published_mid_chunk_act_from_the_next_step_on(num_envs, acting):
+    # A worker picks up weights published while it steps its chunk (Sample Factory's way of keeping the lag
+    # low): the steps from the publish on are acted by, and recorded as, the new version, with its log-probs;
+    # the chunk's version (what max_policy_lag drops by) stays its oldest.
+    from ppokit.kernels.acting import ActingKernel
+    from ppokit.policies import config_policy
+    from ppokit.rollout.actors import RolloutWorker, _Shared
+
+    torch.set_num_threads(1)
+    cfg = load_preset("cartpole", PPOConfig())
+    cfg.num_envs, cfg.num_steps = num_envs, 40
+    worker = RolloutWorker(0, cfg, seed=3, acting_type=ActingKernel if acting == "kernel" else None)
+    try:
+        space = worker.envs.single_observation_space, worker.envs.single_action_space
+        old, new = config_policy(*space, cfg), config_policy(*space, cfg)
+        with torch.no_grad():  # another policy: its log-probs of the same actions differ
+            for p in new.actor.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+        shared = _Shared(torch.multiprocessing.get_context("spawn"), old, None)
+        shared.push(old, None, 0)
+        worker.version = shared.pull(worker.policy, None, worker.version)
+        worker.follow(lambda policy, have: shared.pull(policy, None, have))
+        follow = worker.collector.refresh
+
+        def publish_at_step_25(t: int) -> None:
+            if t == 25:
+                shared.push(new, None, 1)
+            follow(t)
+
+        worker.collector.refresh = publish_at_step_25
+        chunk = worker.chunk()
+    finally:
+        worker.close()
+    fields = chunk["fields"]
+    assert chunk["version"] == 0 and worker.version == 1
+    assert (fields["policy_version"][:25] == 0).all() and (fields["policy_version"][25:] == 1).all()
+    obs, actions = fields["obs"].flatten(0, 1), fields["actions"].flatten(0, 1)
+    with torch.no_grad():
+        by_old = old.evaluate(obs, actions)[0].reshape(40, num_envs)
+        by_new = new.evaluate(obs, actions)[0].reshape(40, num_envs)
+    torch.testing.assert_close(fields["logp"][:25], by_old[:25])
+    torch.testing.assert_close(fields["logp"][25:], by_new[25:])
+    assert not torch.allclose(by_old[25:], by_new[25:], atol=1e-3)
+
+
 def _one_chunk(tmp_path):
     """``(pool, policy)`` after one chunk of a real worker acting with the learner's weights (workers stopped)."""
     parts = _pool(tmp_path)

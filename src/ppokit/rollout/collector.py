@@ -77,6 +77,9 @@ class Collector(EnvLoop):
         self.life_episodes: Episodes = []
         self.last_obs: torch.Tensor | None = None  # [N, obs_dim] the normalized obs after the rollout (GAE's bootstrap)
         self.policy_version = 0  # the version of the weights that act (``publish``)
+        # Called with the step index before each step acts, where newer weights may arrive mid-rollout (a decoupled
+        # worker's, rollout/actors.py); it records their version in ``buffer.policy_version[t:]``.
+        self.refresh: Callable[[int], None] | None = None
         self._rollout_start = 0
         self._one_env = self.one_env_path and one_env.applies(self)
 
@@ -176,8 +179,12 @@ class Collector(EnvLoop):
         env_actions_of = self.env_actions
         stateful = buf.policy_state is not None
 
+        refresh = self.refresh
+
         def act_and_store(t: int) -> np.ndarray:
             # pi_old acts; the observation it saw, its action, log-prob and value (and the mask) go to row t.
+            if refresh is not None:
+                refresh(t)
             if stateful:  # what act is given: a sequence minibatch replays each chunk from it
                 buf.record_state(t, self.policy_state, self.episode_start)
             if self.masked:

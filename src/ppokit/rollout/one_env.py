@@ -106,8 +106,11 @@ def collect_one_env(c: Any, global_step: int) -> tuple[list[tuple[float, int]], 
     # Step 0 acts on the observation the last rollout (or the reset) left, normalized by the current statistics.
     normalized_into(obs_np[0], next_raw, update=False)
     stateful = buf.policy_state is not None
+    refresh = c.refresh
     for t in range(T):
         t0 = time.perf_counter()
+        if refresh is not None:
+            refresh(t)
         if stateful:  # what act is given: a sequence minibatch replays each chunk from it
             buf.record_state(t, state, episode_start)
         if kernel:
