@@ -165,7 +165,7 @@ def test_grpo_loss_is_the_policy_loss_minus_ent_coef_entropy_at_the_configs_temp
     ratio = (logp - mb.logp_old).exp()
     surrogate = torch.min(ratio * mb.advantages, ratio.clamp(0.8, 1.2) * mb.advantages)
     want = (torch.where(mask, -surrogate - ent_coef * entropy, 0.0)).sum() / n
-    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
     # The logged entropy is the mean over the real tokens (some completions end early: padding is left out).
     assert not mask.all() and float(stats["entropy"]) == pytest.approx(float(entropy[mask].mean()), rel=1e-5)
     ref = torch.autograd.grad(want, params, retain_graph=True)
@@ -173,3 +173,73 @@ def test_grpo_loss_is_the_policy_loss_minus_ent_coef_entropy_at_the_configs_temp
     # The entropy's share of the gradient is not negligible here, so a detached entropy would show.
     no_bonus = torch.autograd.grad(torch.where(mask, -surrogate, 0.0).sum() / n, params)
     assert max(float((a - b).abs().max()) for a, b in zip(ref, no_bonus)) > 1e-4
+
+
+def _ppo_minibatch(t, R: int, lengths: list[int]):
+    """A hand-made PPO minibatch for ``t``: random prompts and responses of ``lengths`` real tokens (one empty row),
+    pi_old a perturbed copy of the policy's log-probs (ratios away from 1, some clipped), random advantages and
+    returns, and rollout values far enough from the critic's (> cliprange_value) that the value clip matters."""
+    from ppokit.lm.rollout import TokenBatch
+
+    g = torch.Generator().manual_seed(7)
+    rows, P = len(lengths), 3
+    ids = torch.randint(3, t.policy.config.vocab_size, (rows, P + R), generator=g)
+    resp = torch.arange(R)[None] < torch.tensor(lengths)[:, None]
+    attn = torch.cat([torch.ones(rows, P, dtype=torch.long), resp.long()], 1)
+    ids[:, P:] = torch.where(resp, ids[:, P:], 1)  # pad (= EOS) after the response
+    with torch.no_grad():
+        logp, _ = token_logprobs(t.policy, ids, attn, R, t.config.temperature)
+    noise = lambda scale: scale * torch.randn(rows, R, generator=g)  # noqa: E731
+    return TokenBatch(ids, attn, resp, scores=torch.zeros(rows), logp_old=logp + noise(0.3),
+                      logp_ref=logp + noise(0.3), advantages=noise(1.0), values=noise(1.0), returns=noise(1.0))
+
+
+@pytest.mark.parametrize("reduction", ["dapo", "seq_mean_token_sum_norm"])
+def test_ppo_rlhf_loss_and_gradient_against_a_hand_recomputation(reduction, base):
+    """PPO-RLHF's ``_loss`` on a hand-made minibatch against the loss recomputed here from the two models: the
+    clipped surrogate at the config's temperature reduced by dapo (over the rollout's tokens per minibatch) or Dr.
+    GRPO's sum norm (over max_new_tokens, longer than this minibatch's responses), plus vf_coef x the clipped
+    value loss (rollout values far from the critic's, so the clip is active), minus ent_coef x the entropy reduced
+    the same way. Value and gradient (policy and critic) must agree. The temperature left out, the entropy
+    without gradient, dapo's count or the budget not passed, or the value clip dropped each fail it."""
+    model, tok = base
+    R, max_new, n_dapo, temperature, clip_v = 5, 8, 9.0, 0.7, 0.2
+    vf_coef, ent_coef = 0.5, (0.0 if reduction == "dapo" else 0.5)
+    # (ent_coef 0 under dapo: PPO reduces its entropy by loss_reduction, which loss_type does not replace there.)
+    knob = dict(loss_type="dapo") if reduction == "dapo" else dict(loss_reduction=reduction)
+    cfg = LMConfig(**{**FAST, "max_new_tokens": max_new}, vf_coef=vf_coef, ent_coef=ent_coef,
+                   temperature=temperature, cliprange_value=clip_v, **knob)
+    t = PPOTrainer(copy.deepcopy(model), tok, reward=offset_reward, prompts=PROMPTS, config=cfg)
+    with torch.no_grad():  # a critic whose values vary (the default head starts at exactly 0)
+        t.value_model.head.weight.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+    t._tokens_per_minibatch = n_dapo  # what step() sets: the rollout's tokens / num_minibatches
+    mb = _ppo_minibatch(t, R, [5, 1, 0, 3, 5, 2])
+    mask = mb.response_mask
+    params = [p for p in t.policy.parameters() if p.requires_grad] + list(t.value_model.head.parameters())
+    loss, stats = t._loss(mb)
+    got = torch.autograd.grad(loss, params)
+
+    def reduced(x):
+        kept = torch.where(mask, x, 0.0)
+        if reduction == "dapo":
+            return kept.sum() / n_dapo
+        return (kept.sum(-1) / max_new)[mask.any(-1)].mean()  # mean over the non-empty rows
+
+    logp, entropy = token_logprobs(t.policy, mb.input_ids, mb.attention_mask, R, temperature, with_entropy=True)
+    ratio = (logp - mb.logp_old).exp()
+    surrogate = torch.min(ratio * mb.advantages, ratio.clamp(0.8, 1.2) * mb.advantages)
+    values = t.value_model(mb.input_ids[:, :-1], mb.attention_mask[:, :-1])[:, -R:]
+    clipped = mb.values + (values - mb.values).clamp(-clip_v, clip_v)
+    unclipped_sq, clipped_sq = (values - mb.returns) ** 2, (clipped - mb.returns) ** 2
+    value = 0.5 * torch.where(mask, torch.maximum(unclipped_sq, clipped_sq), 0.0).sum() / mask.sum()
+    want = reduced(-surrogate) + vf_coef * value - ent_coef * reduced(entropy)
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    assert float(stats["value_loss"]) == pytest.approx(float(value.detach()), rel=1e-5)
+    assert float(stats["entropy"]) == pytest.approx(float(entropy[mask].mean().detach()), rel=1e-5)
+    unclipped_value = 0.5 * torch.where(mask, unclipped_sq, 0.0).sum() / mask.sum()
+    assert float(value.detach()) > 1.5 * float(unclipped_value.detach())  # the clip matters here (1.31 vs 0.60)
+    ref = torch.autograd.grad(want, params, retain_graph=True)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(got, ref))
+    if ent_coef:  # the entropy's share of the gradient is not negligible, so a detached entropy would show
+        no_bonus = torch.autograd.grad(reduced(-surrogate) + vf_coef * value, params)
+        assert max(float((a - b).abs().max()) for a, b in zip(ref, no_bonus)) > 1e-4

@@ -100,10 +100,12 @@ def test_gspo_with_clip_higher_gradients_are_the_same_in_micro_batches(base):
     _agree([_grads(t, b, m) for m in (None, 1, 3)])
 
 
-def test_ppo_gradients_are_the_same_in_micro_batches_of_1_3_and_none(base):
+# token_mean and a per-sequence mean weigh a micro-batch differently (its tokens' share vs its rows').
+@pytest.mark.parametrize("reduction", ["seq_mean_token_mean", "token_mean"])
+def test_ppo_gradients_are_the_same_in_micro_batches_of_1_3_and_none(base, reduction):
     model, tok = base
     cfg = LMConfig(batch_prompts=2, group_size=2, max_new_tokens=R, vf_coef=0.5, ent_coef=0.01,
-                   loss_reduction="seq_mean_token_mean")
+                   loss_reduction=reduction)
     t = PPOTrainer(copy.deepcopy(model), tok, reward=_reward, prompts=PROMPTS, config=cfg)
     b = _batch(t.policy, tok, with_values=True)
     _agree([_grads(t, b, m) for m in (None, 1, 3)])
