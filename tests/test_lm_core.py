@@ -357,6 +357,18 @@ def test_token_gae_matches_a_per_sequence_loop_on_ragged_responses():
     whitened, _ = token_advantages(rewards, values, mask, gamma, lam, whiten=True)
     real = whitened[mask]
     assert abs(float(real.mean())) < 1e-6 and float(real.std(unbiased=False)) == pytest.approx(1.0, rel=1e-4)
+    assert torch.equal(token_advantages(rewards, values, mask, gamma, lam)[0], whitened)  # whitened by default
+
+
+def test_token_gae_of_one_token_responses_is_the_reward_minus_the_value_and_of_none_is_empty():
+    # One token per response: the episode ends at once, so A = r - V and the return is r (no bootstrap).
+    mask = torch.tensor([[True], [True], [False]])
+    adv, ret = token_advantages(torch.tensor([[2.0], [-1.0], [5.0]]), torch.tensor([[0.5], [0.25], [9.0]]), mask,
+                                gamma=0.9, lam=0.8, whiten=False)
+    assert adv.tolist() == [[1.5], [-1.25], [0.0]] and ret.tolist() == [[2.0], [-1.0], [0.0]]
+    empty = torch.zeros(2, 0)
+    adv, ret = token_advantages(empty, empty, torch.zeros(2, 0, dtype=torch.bool), 0.9, 0.8)
+    assert adv.shape == ret.shape == (2, 0)
 
 
 def test_the_log_prob_forward_skips_the_last_position_and_matches_the_full_forward(tiny_pad_eos):

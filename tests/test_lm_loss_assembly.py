@@ -243,3 +243,29 @@ def test_ppo_rlhf_loss_and_gradient_against_a_hand_recomputation(reduction, base
     if ent_coef:  # the entropy's share of the gradient is not negligible, so a detached entropy would show
         no_bonus = torch.autograd.grad(reduced(-surrogate) + vf_coef * value, params)
         assert max(float((a - b).abs().max()) for a, b in zip(ref, no_bonus)) > 1e-4
+
+
+def test_ppo_rlhf_logs_the_rollouts_kl_to_ref_per_completion_and_the_raw_advantages_std_over_real_tokens(base):
+    """With the policy a perturbed copy of pi_ref, the logged ``kl_ref`` is the mean over completions of the summed
+    k1 log-ratio log pi_old - log pi_ref over each one's real tokens (what the adaptive controller reads), and
+    ``advantage_std`` the population std of the unwhitened advantages over the real tokens, both recomputed here
+    from the minibatches of one epoch (together the whole rollout, each row once)."""
+    model, tok = base
+    ref, policy = copy.deepcopy(model), copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    cfg = LMConfig(**FAST, update_epochs=1, num_minibatches=2, whiten_advantages=False, unsafe=True)
+    t = PPOTrainer(policy, tok, reward=offset_reward, prompts=PROMPTS, config=cfg, ref_model=ref)
+    seen = _record(t)
+    metrics = t.step()
+    mbs = [mb for mb, _, _ in seen]
+    mask = torch.cat([mb.response_mask for mb in mbs])
+    log_ratio = torch.cat([mb.logp_old - mb.logp_ref for mb in mbs]).double()
+    assert mask.shape[0] != mask.shape[1] and not mask.all()  # rows != tokens, and some padding
+    per_completion = [float(log_ratio[i][mask[i]].sum()) for i in range(mask.shape[0])]
+    assert abs(sum(per_completion)) > 1e-3  # pi_old really differs from pi_ref
+    assert metrics[S.KL_REF] == pytest.approx(sum(per_completion) / len(per_completion), rel=1e-5)
+    real = torch.cat([mb.advantages for mb in mbs])[mask].double()
+    assert metrics[S.ADVANTAGE_STD] == pytest.approx(float(real.std(unbiased=False)), rel=1e-5)
