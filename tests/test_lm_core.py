@@ -125,6 +125,18 @@ def test_group_advantages_scale_by_the_batch_std_or_not_at_all():
         group_advantages(r, 3)
 
 
+def test_group_advantages_default_to_the_group_std_plus_1e_4_and_handle_one_and_no_reward():
+    r = torch.tensor([1.0, 2.0, 4.0, 4.5])
+    std = torch.tensor([1.0, 2.0]).std(unbiased=False)  # 0.5 (and 0.25 for the second group)
+    hand = [-0.5 / (std + 1e-4), 0.5 / (std + 1e-4), -0.25 / (std / 2 + 1e-4), 0.25 / (std / 2 + 1e-4)]
+    assert group_advantages(r, 2)[0].tolist() == pytest.approx([float(h) for h in hand], rel=1e-6)
+    # One reward in a group of one: no spread, advantage exactly 0 (not the reward itself).
+    adv, zero = group_advantages(torch.tensor([2.5]), 1)
+    assert adv.tolist() == [0.0] and zero.tolist() == [True]
+    adv, zero = group_advantages(torch.zeros(0), 4)  # every group dropped: nothing to centre
+    assert adv.shape == zero.shape == (0,)
+
+
 # ---------------------------------------------------------------- DPO
 def test_dpo_loss_against_a_hand_computed_value():
     beta = 0.1

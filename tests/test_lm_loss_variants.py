@@ -175,6 +175,20 @@ def test_grpo_advantages_are_centred_on_the_group_mean_and_scaled_by_its_std_wit
     assert zero.tolist() == [False, True, False]
 
 
+@pytest.mark.parametrize("mean", [1.0, 4.0])
+@pytest.mark.parametrize("ulps", [29, 32])
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_the_zero_std_rule_reads_the_population_spread_whatever_the_ddof(ddof, ulps, mean):
+    # mean -+ 29 (or exactly 32) float32 epsilons times the mean, all exact: population std 29 (32) of them,
+    # within the noise rule (SPREAD_ULPS = 32, "at most", relative to |mean|), so the group is constant; Bessel's
+    # std (x sqrt 2: 41, 45) is above it, and must not decide.
+    d = ulps * 2.0 ** -23 * mean
+    adv, zero = group_advantages(torch.tensor([mean - d, mean + d, 2.0, 3.0]), 2, "group", 1e-4, ddof=ddof)
+    assert zero.tolist() == [True, False] and adv[:2].tolist() == [0.0, 0.0]
+    sd = (statistics.pstdev if ddof == 0 else statistics.stdev)([2.0, 3.0])
+    assert adv[2:].tolist() == pytest.approx([-0.5 / (sd + 1e-4), 0.5 / (sd + 1e-4)], rel=1e-6)
+
+
 def test_rloo_subtracts_the_mean_of_the_other_completions_of_the_group():
     hand = []
     for g in _groups():
