@@ -119,6 +119,9 @@ def test_group_advantages_scale_by_the_batch_std_or_not_at_all():
     batch_std = float(r.std(unbiased=False))
     adv_b, _ = group_advantages(r, 2, "batch", eps=0.0 + 1e-8)
     assert adv_b.tolist() == pytest.approx([-1 / batch_std, 1 / batch_std, 0.0, 0.0], rel=1e-5)
+    # Data-parallel: the std over every rank's rewards, given, replaces this rank's own.
+    adv_g, _ = group_advantages(r, 2, "batch", eps=1e-8, batch_std=4.0)
+    assert adv_g.tolist() == pytest.approx([-1 / 4.0, 1 / 4.0, 0.0, 0.0], rel=1e-6)
     adv_n, zero = group_advantages(r, 2, "none")
     assert adv_n.tolist() == [-1.0, 1.0, 0.0, 0.0] and zero.tolist() == [False, True]
     with pytest.raises(ValueError, match="groups of 3"):
