@@ -200,12 +200,12 @@ def test_ppo_rlhf_loss_and_gradient_against_a_hand_recomputation(reduction, base
     clipped surrogate at the config's temperature reduced by dapo (over the rollout's tokens per minibatch) or Dr.
     GRPO's sum norm (over max_new_tokens, longer than this minibatch's responses), plus vf_coef x the clipped
     value loss (rollout values far from the critic's, so the clip is active), minus ent_coef x the entropy reduced
-    the same way. Value and gradient (policy and critic) must agree. The temperature left out, the entropy
-    without gradient, dapo's count or the budget not passed, or the value clip dropped each fail it."""
+    the same way (loss_type dapo replaces loss_reduction for the entropy too). Value and gradient (policy and
+    critic) must agree. The temperature left out, the entropy without gradient or reduced by loss_reduction under
+    dapo, dapo's count or the budget not passed, or the value clip dropped each fail it."""
     model, tok = base
     R, max_new, n_dapo, temperature, clip_v = 5, 8, 9.0, 0.7, 0.2
-    vf_coef, ent_coef = 0.5, (0.0 if reduction == "dapo" else 0.5)
-    # (ent_coef 0 under dapo: PPO reduces its entropy by loss_reduction, which loss_type does not replace there.)
+    vf_coef, ent_coef = 0.5, 0.5
     knob = dict(loss_type="dapo") if reduction == "dapo" else dict(loss_reduction=reduction)
     cfg = LMConfig(**{**FAST, "max_new_tokens": max_new}, vf_coef=vf_coef, ent_coef=ent_coef,
                    temperature=temperature, cliprange_value=clip_v, **knob)
@@ -240,9 +240,9 @@ def test_ppo_rlhf_loss_and_gradient_against_a_hand_recomputation(reduction, base
     assert float(value.detach()) > 1.5 * float(unclipped_value.detach())  # the clip matters here (1.31 vs 0.60)
     ref = torch.autograd.grad(want, params, retain_graph=True)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(got, ref))
-    if ent_coef:  # the entropy's share of the gradient is not negligible, so a detached entropy would show
-        no_bonus = torch.autograd.grad(reduced(-surrogate) + vf_coef * value, params)
-        assert max(float((a - b).abs().max()) for a, b in zip(ref, no_bonus)) > 1e-4
+    # The entropy's share of the gradient is not negligible, so a detached entropy would show.
+    no_bonus = torch.autograd.grad(reduced(-surrogate) + vf_coef * value, params)
+    assert max(float((a - b).abs().max()) for a, b in zip(ref, no_bonus)) > 1e-4
 
 
 def test_ppo_rlhf_logs_the_rollouts_kl_to_ref_per_completion_and_the_raw_advantages_std_over_real_tokens(base):

@@ -35,7 +35,7 @@ from ppokit.lm.base import LMTrainer, adamw, masked_stats
 from ppokit.lm.fsdp import full_state, load_full_state
 from ppokit.lm.kernels import fuse_activations
 from ppokit.lm.logprobs import in_micro_batches, kl_per_token, position_ids, token_logprobs
-from ppokit.lm.losses import get_loss, settings_for
+from ppokit.lm.losses import get_loss, reduce_tokens, settings_for
 from ppokit.lm.precision import float32_master_weights
 from ppokit.lm.rollout import TokenBatch, place_scores
 from ppokit.lm.sharded_checkpoint import full_model_state
@@ -203,8 +203,9 @@ class PPOTrainer(LMTrainer):
         loss_value = value_loss(values, mb.returns, mb.values, cfg.cliprange_value, mask=mask, mode="token_mean")
         loss = share.of(settings.reduction) * loss_policy + share.of("token_mean") * cfg.vf_coef * loss_value
         if cfg.ent_coef > 0:  # at 0 the entropy stays out of the graph: the backward skips it (same gradient)
-            loss_entropy = -reduce(entropy, mask, cfg.loss_reduction, normalizer=cfg.max_new_tokens)
-            loss = loss + share.of(cfg.loss_reduction) * cfg.ent_coef * loss_entropy
+            # Reduced as the policy loss is (loss_type, when set, replaces loss_reduction for both terms).
+            loss_entropy = -reduce_tokens(entropy, mask, settings)
+            loss = loss + share.of(settings.reduction) * cfg.ent_coef * loss_entropy
         stats["value_loss"] = loss_value.detach()
         stats["entropy"] = reduce(entropy.detach(), mask, "token_mean")
         return loss, weigh_stats(stats, share, settings.reduction)
