@@ -28,13 +28,14 @@ behaviour correction, and the usual PPO epochs run with the surrogate clipped ag
   policy optimization"; RLlib's APPO clips against its target network likewise), whose log-probs replace the
   behaviour's in the buffer: the first ratio of every update is 1 and the clip bounds this update's step.
 
-Neither learns as the synchronous loop does on both tasks measured (``bench_actors.py --curves``, 3 seeds, mean
-training return, benchmarks/RESULTS.md). Hopper (mujoco preset), last 20k of 200k steps: synchronous 1,560;
-one actor (lag 1) 411 behaviour, 830 proximal; two actors 381 and 542. With ``behaviour`` one actor's clip fraction
-was 0.28 against 0.03 synchronous: a whole update back, most samples start at the clip's edge. CartPole
-(cartpole preset), 100k steps: both 500 by 50k steps with ``behaviour`` (faster than the synchronous loop's 462
-at 40k), 472 and 440 at 100k with ``proximal``. So ``behaviour`` is the default and the mujoco preset sets
-``proximal``.
+How it learns, measured (``bench_actors.py --curves``, mean training return, benchmarks/RESULTS.md). Hopper
+(mujoco preset, ``proximal``), last 20k of 200k steps over 6 seeds, with mid-chunk weights: synchronous 1,293
+(seeds 687-1,929), one actor 1,106, two actors 800; actors kept in lockstep with the learner (lag 0, a check) gave
+1,145, so the actor path itself learns as the loop does and the gap is the lag. Before mid-chunk weights (lag 1,
+3 seeds) one actor's ``behaviour`` clip fraction was 0.28 against 0.03 synchronous: a whole update back, most
+samples start at the clip's edge, hence ``proximal`` in the mujoco preset. CartPole (cartpole preset), 100k steps:
+both 500 by 50k steps with ``behaviour`` (faster than the synchronous loop's 462 at 40k), so ``behaviour`` stays
+the default.
 
 Observation normalization stays one set of statistics, the learner's: each worker normalizes with the published
 statistics and ships the moments of the observations it added (``normalize.split_moments``), which the learner
