@@ -3,7 +3,9 @@
 
 For CartPole's shapes (4 observations, 2 actions, 64x64 tanh actor and critic) and a continuous 1-D action head,
 at 8 and 1024 envs: the best of several timed blocks of calls, in microseconds per call, under inference mode on
-one thread. ``--fused-module PATH`` times another implementation side by side with the installed one: an
+one thread. Then the recurrent acting kernel (``kernels.recurrent_acting``) against ``RecurrentActorCritic.act``
+at the cartpole-novel preset's shapes (2 observations, LSTM of 64 units with a separate critic LSTM, ReLU heads
+of 64, 2 actions). ``--fused-module PATH`` times another implementation side by side with the installed one: an
 ``acting.py`` (for instance the previous revision, ``git show HEAD:src/ppokit/acting.py > /tmp/acting_old.py``)
 or a ``fused.py`` from before acting had its own module.
 
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from ppokit.policies import ActorCritic
 
+    torch.set_num_threads(1)
     sizes = [int(x) for x in args.envs.split(",")]
     repeats = 2 if args.smoke else 7
     impls = {"fused (installed)": load_fused(None)}
@@ -94,13 +97,50 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("## Microseconds per acting call (tanh 64x64 actor + critic, 4 observations; best block)")
     print(C.table(["action head", "envs", "implementation", "us per call"], rows))
+    recurrent = recurrent_rows(sizes, repeats, args.smoke)
+    print()
+    print("## Microseconds per acting call, recurrent (LSTM 64 + critic LSTM, ReLU heads of 64, 2 obs; best block)")
+    print(C.table(["envs", "implementation", "us per call"], recurrent))
     print(f"load average after: {C.load()}")
+    for B in sizes:
+        us = {r[1]: float(r[2]) for r in recurrent if r[0] == B}
+        print(f"RATIO acting recurrent {B} envs: kernel {us['kernel']:.1f} us/call, "
+              f"RecurrentActorCritic.act {us['RecurrentActorCritic.act']:.1f} us/call")
     for kind in ("discrete", "continuous"):
         for B in sizes:
             us = {r[2]: float(r[3]) for r in rows if r[0] == kind and r[1] == B}
             print(f"RATIO acting {kind} {B} envs: fused {us['fused (installed)']:.1f} us/call, "
                   f"ActorCritic.act {us['ActorCritic.act']:.1f} us/call")
     return 0
+
+
+def recurrent_rows(sizes: list[int], repeats: int, smoke: bool) -> list[list]:
+    """``[envs, implementation, us per call]`` of the recurrent kernel and the eager ``act`` (states carried)."""
+    from ppokit.kernels.recurrent_acting import RecurrentActingKernel
+    from ppokit.policies import RecurrentActorCritic
+
+    rows = []
+    for B in sizes:
+        calls = 20 if smoke else max(50, 100_000 // (B * 64))
+        torch.manual_seed(0)
+        policy = RecurrentActorCritic(2, "discrete", [2], [64], "relu", cell="lstm", recurrent_hidden=64,
+                                      critic="separate")
+        kernel = RecurrentActingKernel(policy)
+        starts = np.zeros(B, dtype=bool)
+        state = {"s": policy.initial_state(B)}
+
+        def carried(act, s=starts, st=state):  # the state each call returns is the next call's, as in a rollout
+            def call(x):
+                st["s"] = act(x, st["s"], s)[3]
+            return call
+
+        fns = {"RecurrentActorCritic.act": carried(policy.act), "kernel": carried(kernel.act)}
+        with torch.inference_mode():
+            times = per_call_us(fns, torch.randn(B, 2), calls, repeats)
+        for name, us in times.items():
+            rows.append([B, name, f"{us:.1f}"])
+            print(f"  recurrent {B} envs, {name}: {us:.1f} us/call", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

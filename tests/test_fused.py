@@ -471,6 +471,8 @@ def test_bench_acting_smoke():
     for kind in ("discrete", "continuous"):
         for n in (8, 64):
             assert f"RATIO acting {kind} {n} envs: fused " in proc.stdout
+    for n in (8, 64):
+        assert f"RATIO acting recurrent {n} envs: kernel " in proc.stdout
 
 
 # ------------------------------------------------------------------ edge cases where the two paths must agree

@@ -28,6 +28,7 @@ from ppokit.envs.watchdog import EnvWatchdog, close_vector_env
 from ppokit.kernels.acting import ActingKernel
 from ppokit.kernels.flat_adam import FlatAdam
 from ppokit.kernels.mlp_backward import supports as fused_supports
+from ppokit.kernels.recurrent_acting import RecurrentActingKernel, recurrent_kernel_supports
 from ppokit.policies import Policy, config_policy
 from ppokit.policies.build import policy_parameters
 from ppokit.rollout.collector import Collector
@@ -91,8 +92,10 @@ def build(config: PPOConfig, *, env: Any = None, policy: Any = None, rollout: An
         fused = cfg.fused_update and fused_supports(pi, cfg.algo) and not masked
         optimizer = make_optimizer(cfg, pi, fused, device)
         # Acting (rollouts, the evaluation gate): the acting kernel where the fused update applies (the same
-        # network on cached weights, the same random draws), else the eager policy.
-        acting = ActingKernel(pi, optimizer) if fused else None
+        # network on cached weights, the same random draws), a recurrent policy's cell kernel (fused_update off:
+        # the eager reference), else the eager policy.
+        acting = ActingKernel(pi, optimizer) if fused else RecurrentActingKernel(pi, optimizer) \
+            if cfg.fused_update and recurrent_kernel_supports(pi) else None
         # Normalization statistics (saved in checkpoints, frozen at evaluation).
         obs_norm = make_obs_norm(envs.single_observation_space, device) if cfg.normalize_obs else None
         reward_scaler = RewardScaler(cfg.num_envs, cfg.gamma, device=device) if cfg.normalize_reward else None

@@ -325,7 +325,15 @@ class Trainer(TrainerLifecycle, TrainerCheckpoint):
         Data-parallel, each rank chunks its own envs; every rank has the same number of chunks."""
         if self.buffer.policy_state is None:
             return batch
-        return self.buffer.sequences(self.config.recurrent_seq_len or self.config.num_steps, advantages, returns)
+        seq = self.buffer.sequences(self.config.recurrent_seq_len or self.config.num_steps, advantages, returns)
+        if not self.config.actors and not getattr(self.acting, "exact_logp", True):
+            # The acting kernel's log-probs equal the replay's only to rounding: pi_old's are taken from one replay
+            # of these chunks with the weights that acted, so the first ratio of the update is exactly 1.
+            with torch.no_grad():
+                logp, _, _ = self.policy.evaluate_sequence(seq.obs, seq.actions, seq.state0, seq.episode_start,
+                                                           seq.action_mask)
+            seq.logp_old = torch.where(seq.mask, logp, seq.logp_old)
+        return seq
 
     def update_settings(self, clip_coef: float) -> UpdateSettings:
         """This update's settings, with the algo's schedule overrides (a2c: one gradient step on the whole batch)."""
