@@ -148,7 +148,8 @@ class PPOConfig:
     ray_address: str | None = _f(None, "with actors: run them as Ray actors (extra ray, rollout/ray_actors.py) on the "
                                  "Ray cluster at this address: auto (the one `ray start --head` started), HOST:PORT, "
                                  "ray://HOST:PORT, or local (a one-machine Ray for the run); none: worker processes")
-    fused_update: bool = _f(True, "use the fused MLP update path where it applies (autograd otherwise)")
+    fused_update: bool = _f(True, "use the fused MLP update path where it applies (autograd otherwise), and the "
+                            "acting kernels (a recurrent policy's cell kernel included; off: the eager modules act)")
     run_dir: str | None = _f(None, "run directory (default: runs/<env>__<algo>__s<seed>__<YYYYmmdd-HHMMSS>)")
     log_every: int = _f(10, "print a metrics table every this many updates")
     save_every: int = _f(50, "write a checkpoint every this many updates (and at the end)")
