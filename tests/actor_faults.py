@@ -2,7 +2,9 @@
 their env ids: ``actor_faults:RaisingCartPole-v0``, CartPole whose process raises once, at the first step past
 ``raise_after`` steps, the first time any process gets there (``flag``, a file, records that it did); and
 ``actor_faults:SlowStartCartPole-v0``, whose actors take ``delay_s`` to start; and
-``actor_faults:HangingCartPole-v0``, whose step past ``hang_after`` steps never returns, once (``flag``)."""
+``actor_faults:HangingCartPole-v0``, whose step past ``hang_after`` steps never returns, once (``flag``); and
+``actor_faults:FaultyCartPole-v0``, all three at once (each with its own flag), for one run that meets every
+fault."""
 
 from __future__ import annotations
 
@@ -71,3 +73,34 @@ class HangingCartPole(gym.Wrapper):
 
 if "HangingCartPole-v0" not in gym.registry:
     gym.register("HangingCartPole-v0", entry_point=HangingCartPole)
+
+
+class FaultyCartPole(gym.Wrapper):
+    """SlowStartCartPole, RaisingCartPole and HangingCartPole in one env, each fault with its own flag: every actor
+    process sleeps ``delay_s`` in its first build, the first process past ``raise_after`` steps raises (once), and
+    the first past ``hang_after`` steps hangs for good (once). With ``raise_after < hang_after`` no process both
+    raises and hangs: its envs step together, so it raises first and dies."""
+
+    def __init__(self, start_flag: str, delay_s: float, raise_flag: str, raise_after: int, hang_flag: str,
+                 hang_after: int):
+        super().__init__(SlowStartCartPole(start_flag, delay_s))
+        self.raise_flag, self.raise_after = raise_flag, raise_after
+        self.hang_flag, self.hang_after = hang_flag, hang_after
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > self.raise_after and not os.path.exists(self.raise_flag):
+            with open(self.raise_flag, "w") as f:
+                f.write(str(os.getpid()))
+            raise RuntimeError("injected fault in the third chunk")
+        if self.steps > self.hang_after and not os.path.exists(self.hang_flag):
+            with open(self.hang_flag, "w") as f:
+                f.write(str(os.getpid()))
+            while True:
+                time.sleep(3600)
+        return self.env.step(action)
+
+
+if "FaultyCartPole-v0" not in gym.registry:
+    gym.register("FaultyCartPole-v0", entry_point=FaultyCartPole)

@@ -195,11 +195,19 @@ def test_a_stopped_ray_actor_and_a_killed_one_mid_run_are_named_and_replaced_and
 
 
 @needs_ray
-def test_a_ray_actor_killed_while_still_starting_is_named_by_its_pid(tmp_path, mark):
-    # Killed in its __init__ (building its envs), before it answered its pid: Ray's death cause names the process.
-    run_dir, flag = tmp_path / "run", tmp_path / "learner_pid"
-    proc = _train(run_dir, mark, "--total-timesteps", "2048", "--env", "actor_faults:SlowStartCartPole-v0",
-                  "--env-kwargs", f'{{"flag": "{flag}", "delay_s": 8}}')
+def test_a_ray_actor_killed_while_starting_one_that_raises_and_one_whose_env_hangs_are_each_named_and_replaced(
+        tmp_path, mark):
+    """Three faults in one run (actor_faults:FaultyCartPole-v0, every actor process 8 s in its __init__): an actor
+    killed -9 in its __init__ (building its envs), before it answered its pid, is named by the pid Ray's death cause
+    gives; the first actor past 64 steps raises and is named with its exception; the first past 128 steps hangs in
+    env.step and is named after --env-timeout 2 s. Each line says it was replaced, the run finishes, it counts the
+    three replacements and no process outlives it."""
+    run_dir = tmp_path / "run"
+    flags = {name: tmp_path / name for name in ("learner_pid", "raised", "hung")}
+    kwargs = (f'{{"start_flag": "{flags["learner_pid"]}", "delay_s": 8, "raise_flag": "{flags["raised"]}", '
+              f'"raise_after": 64, "hang_flag": "{flags["hung"]}", "hang_after": 128}}')
+    proc = _train(run_dir, mark, "--total-timesteps", "40960", "--env", "actor_faults:FaultyCartPole-v0",
+                  "--env-kwargs", kwargs, "--env-timeout", "2")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     victim = None
     while victim is None and proc.poll() is None and time.monotonic() < deadline:
@@ -211,36 +219,22 @@ def test_a_ray_actor_killed_while_still_starting_is_named_by_its_pid(tmp_path, m
     assert victim is not None, "no Ray actor was seen in its __init__"
     out, err = _finish(proc)
     assert proc.returncode == 0, err[-2000:]
+    # Killed while starting: named by its pid.
     named = [line for line in err.splitlines() if f"(Ray actor, pid {victim}) died:" in line]
-    assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
-    assert not _none_left(mark), "a process of the Ray run outlived it"
-
-
-@needs_ray
-def test_a_ray_actor_that_raises_is_named_with_its_exception_and_replaced(tmp_path, mark):
-    run_dir, flag = tmp_path / "run", tmp_path / "raised"
-    proc = _train(run_dir, mark, "--total-timesteps", "4096", "--env", "actor_faults:RaisingCartPole-v0",
-                  "--env-kwargs", f'{{"flag": "{flag}", "raise_after": 64}}')
-    out, err = _finish(proc)
-    assert proc.returncode == 0, err[-2000:]
-    pid = int(flag.read_text())
-    named = [line for line in err.splitlines() if f"(Ray actor, pid {pid}) died:" in line]
-    assert len(named) == 1 and "RuntimeError: injected fault in the third chunk" in named[0], err[-2000:]
-    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 1.0
-    assert not _none_left(mark), "a process of the Ray run outlived it"
-
-
-@needs_ray
-def test_a_ray_actor_whose_env_hangs_past_env_timeout_is_named_and_replaced(tmp_path, mark):
-    run_dir, flag = tmp_path / "run", tmp_path / "hung"
-    proc = _train(run_dir, mark, "--total-timesteps", "40960", "--env", "actor_faults:HangingCartPole-v0",
-                  "--env-kwargs", f'{{"flag": "{flag}", "hang_after": 128}}', "--env-timeout", "2")
-    out, err = _finish(proc)
-    assert proc.returncode == 0, err[-2000:]
-    pid = int(flag.read_text())
-    named = [line for line in err.splitlines() if f"(Ray actor, pid {pid}) died:" in line]
-    assert len(named) == 1 and "did not return within 2 s" in named[0], err[-2000:]
-    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 1.0
+    assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], f"killed while starting: {err[-2000:]}"
+    # Raised: named with its exception.
+    raised = int(flags["raised"].read_text())
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {raised}) died:" in line]
+    assert len(named) == 1 and "RuntimeError: injected fault in the third chunk" in named[0], \
+        f"raised: {err[-2000:]}"
+    assert "replaced by a fresh Ray actor" in named[0], f"raised: {named[0]}"
+    # Hung past env_timeout: named with the timeout.
+    hung = int(flags["hung"].read_text())
+    named = [line for line in err.splitlines() if f"(Ray actor, pid {hung}) died:" in line]
+    assert len(named) == 1 and "did not return within 2 s" in named[0], f"hung: {err[-2000:]}"
+    assert "replaced by a fresh Ray actor" in named[0], f"hung: {named[0]}"
+    assert len({victim, raised, hung}) == 3, (victim, raised, hung)
+    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) == 3.0
     assert not _none_left(mark), "a process of the Ray run outlived it"
 
 
@@ -451,43 +445,25 @@ def cluster():
 
 
 @needs_ray
-def test_a_run_on_an_existing_ray_cluster_spreads_its_actors_over_nodes_and_leaves_the_cluster_up(tmp_path, mark,
-                                                                                                  cluster):
-    run_dir = tmp_path / "run"
-    proc = _train(run_dir, mark, "--total-timesteps", "10240", address=cluster.address, env=cluster.env)
-    nodes: dict[int, str | None] = {}  # actor pid -> its node
-    while proc.poll() is None:
-        for pid in _actors(cluster.mark):  # the actors are the cluster's processes: they carry its mark
-            nodes.setdefault(pid, cluster.node_of(pid))
-        time.sleep(0.2)
-    out, err = _finish(proc)
-    assert proc.returncode == 0, err[-2000:]
-    assert len(nodes) == 2 and None not in nodes.values(), nodes
-    assert len(set(nodes.values())) == 2, nodes  # one CPU per node: two actors, two nodes
-    assert float(_rows(run_dir)[-1][S.GLOBAL_STEP]) >= 10240
-    assert not _none_left(mark), "a process of the run outlived it"
-    deadline = time.monotonic() + 15
-    while _actors(cluster.mark) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _actors(cluster.mark), "the run's Ray actors outlived it"
-    # The run joined a cluster it did not start: it left it running, every node's raylet included.
-    assert cluster.up(), "the run stopped the cluster it joined"
-    res = subprocess.run(["ray", "status", "--address", cluster.address], env={**os.environ, **cluster.env},
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr[-2000:]
-
-
-@needs_ray
-def test_a_lost_ray_node_is_named_its_actor_replaced_on_a_live_node_and_the_run_finishes(tmp_path, mark, cluster):
+def test_a_cluster_run_spreads_its_actors_over_nodes_replaces_a_lost_nodes_actor_on_a_live_node_and_leaves_it_up(
+        tmp_path, mark, cluster):
+    """One run on the cluster: its two actors sit on two nodes (one CPU per node); a lost node (its raylet killed -9
+    mid-run) is named with its actor, which is replaced on a live node; the run finishes all its steps, no process
+    of it (its actors included) outlives it, and it leaves the cluster it joined running (every node not lost keeps
+    its raylet; ``ray status`` answers)."""
     run_dir = tmp_path / "run"
     proc = _train(run_dir, mark, "--total-timesteps", "61440", address=cluster.address, env=cluster.env)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     victim = lost = None
+    spread: dict[int, str | None] = {}  # actor pid seen before the loss -> its node
     while victim is None and proc.poll() is None and time.monotonic() < deadline:
         rows = _rows(run_dir) if (run_dir / "metrics.csv").exists() else []
         # The driver is on the head node (ray.init prefers the head among this host's nodes): lose another one,
         # the node of an actor seen there, never one picked by luck.
-        placed = {pid: cluster.node_of(pid) for pid in _actors(cluster.mark)}
+        placed = {pid: cluster.node_of(pid) for pid in _actors(cluster.mark)}  # the actors carry the cluster's mark
+        for pid, node in placed.items():
+            if spread.get(pid) is None:
+                spread[pid] = node
         # An actor stepping a chunk (Ray titles its process by the method it runs): past its start, so the
         # learner knows its node.
         stepping = {pid for pid, cmd in _marked(cluster.mark).items() if cmd.startswith("ray::_RayWorker.chunk_with")}
@@ -498,9 +474,12 @@ def test_a_lost_ray_node_is_named_its_actor_replaced_on_a_live_node_and_the_run_
             cluster.lose(lost)
         time.sleep(0.2)
     assert victim is not None, "the run ended before a node could be lost"
+    # Spread: two actors before the loss, on two nodes.
+    assert len(spread) == 2 and None not in spread.values(), f"spread: {spread}"
+    assert len(set(spread.values())) == 2, f"spread: {spread}"  # one CPU per node: two actors, two nodes
     fresh: dict[int, str | None] = {}  # actor pid started after the loss -> its node
     while proc.poll() is None and time.monotonic() < deadline:
-        for pid in set(_actors(cluster.mark)) - set(placed):
+        for pid in set(_actors(cluster.mark)) - set(spread):
             fresh.setdefault(pid, cluster.node_of(pid))
         time.sleep(0.2)
     out, err = _finish(proc)
@@ -509,8 +488,19 @@ def test_a_lost_ray_node_is_named_its_actor_replaced_on_a_live_node_and_the_run_
     named = [line for line in err.splitlines() if f"(Ray actor, pid {victim}) died:" in line]
     assert len(named) == 1 and "replaced by a fresh Ray actor" in named[0], err[-2000:]
     assert f"its node {lost_id} was lost" in named[0], named[0]  # the line says which node was lost
-    assert float(_rows(run_dir)[-1][S.ACTOR_REPLACEMENTS]) >= 1
+    rows = _rows(run_dir)
+    assert float(rows[-1][S.ACTOR_REPLACEMENTS]) >= 1
+    assert float(rows[-1][S.GLOBAL_STEP]) >= 61440, "the run did not finish its steps"
     assert not _none_left(mark), "a process of the run outlived it"
+    deadline = time.monotonic() + 15
+    while _actors(cluster.mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _actors(cluster.mark), "the run's Ray actors outlived it"
+    # The run joined a cluster it did not start: it left it running, every live node's raylet included.
+    assert cluster.up(), "the run stopped the cluster it joined"
+    res = subprocess.run(["ray", "status", "--address", cluster.address], env={**os.environ, **cluster.env},
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, f"ray status: {res.stderr[-2000:]}"
 
 
 @needs_ray
