@@ -74,16 +74,59 @@ def _torchrun(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedPr
     return proc
 
 
+CHAIN_SCRIPT = r'''
+import json, sys
+for path, argv in json.loads(sys.argv[1]):  # each script as if launched alone: its own argv and globals
+    sys.argv = [path, *argv]
+    with open(path) as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, {"__name__": "__main__", "__file__": path})
+'''
+
+
+def _chain(tmp_path: Path, *scripts: tuple[str, list[str]], nproc: int = 2) -> subprocess.CompletedProcess:
+    """Several scripts one after the other in one launch (``nproc`` ranks under torchrun, or 1: one process), each
+    with its own argv: the launch's start (torchrun, the imports, the process group) is paid once. Script ``i`` is
+    written to ``tmp_path / f"script{i}.py"``."""
+    steps = []
+    for i, (script, args) in enumerate(scripts):
+        path = tmp_path / f"script{i}.py"
+        path.write_text(script)
+        steps.append([str(path), [str(a) for a in args]])
+    chain = tmp_path / "chain.py"
+    chain.write_text(CHAIN_SCRIPT)
+    run = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+           if nproc > 1 else [sys.executable])
+    proc = subprocess.run([*run, str(chain), json.dumps(steps)], env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=TIMEOUT * len(scripts))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+RESUME_KINDS = ["ppo"]  # PPO's checkpoint holds the critic too: GRPO's is a subset (also passed)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank launch (``_chain``) for this file's runs that need no launch of their own: the parity runs
+    (``out.json``), the memory run (``mem.json``) and, for each of ``RESUME_KINDS``, the sharded run that
+    checkpoints (``run_KIND/``; SAVE_SCRIPT's train mode)."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    base = tmp_path_factory.mktemp("two_ranks")
+    _chain(base, (PARITY_SCRIPT, [base / "out.json", "grpo,ppo,dpo,sft"]), (MEMORY_SCRIPT, [base / "mem.json"]),
+           *[(SAVE_SCRIPT, [kind, base / f"run_{kind}", "train"]) for kind in RESUME_KINDS])
+    return base
+
+
 @pytest.mark.slow
-def test_two_rank_fsdp_grpo_ppo_dpo_and_sft_match_the_data_parallel_run(tmp_path):
+def test_two_rank_fsdp_grpo_ppo_dpo_and_sft_match_the_data_parallel_run(two_ranks):
     """GRPO (with pi_ref, sharded), PPO-RLHF (the critic sharded too), DPO (pi_ref sharded) and SFT on a tiny
     Llama: 3 iterations (GRPO/PPO: of 2 epochs x 2 minibatches) sharded over 2 ranks give the data-parallel
     run's losses and weights."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import torch
 
-    _torchrun(tmp_path, PARITY_SCRIPT, str(tmp_path / "out.json"), "grpo,ppo,dpo,sft")
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = json.loads((two_ranks / "out.json").read_text())
     for kind in ("grpo", "ppo", "dpo", "sft"):
         ddp, fsdp = out[f"{kind}_ddp"], out[f"{kind}_fsdp"]
         assert len(ddp["losses"]) >= 3 and fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4, abs=1e-6), kind
@@ -122,14 +165,13 @@ if dist.get_rank() == 0:
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp_holds_about_half_the_weights_and_adamw_states_per_rank(tmp_path):
+def test_two_rank_fsdp_holds_about_half_the_weights_and_adamw_states_per_rank(two_ranks):
     """From the local shards' sizes (DTensor.to_local()): each of 2 ranks holds about half of the policy's
     weights, of AdamW's two moments (2x the weights unsharded) and of pi_ref. 'About': fully_shard splits each
     parameter's first dimension in ceil(n / 2) rows, so an odd row count (the tiny vocabulary's 7) leaves rank 1 a row
     short (measured: 42304 and 43136 bytes of pi_ref on rank 0 for 84352 whole, within 2.3%)."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
-    _torchrun(tmp_path, MEMORY_SCRIPT, str(tmp_path / "mem.json"))
-    ranks = json.loads((tmp_path / "mem.json").read_text())
+    ranks = json.loads((two_ranks / "mem.json").read_text())
     whole = ranks[0]["whole"]
     for r in ranks:
         print(r)
@@ -181,8 +223,8 @@ if not dist.is_initialized() or dist.get_rank() == 0:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["ppo"])  # PPO's checkpoint holds the critic too: GRPO's is a subset (also passed)
-def test_a_sharded_run_resumes_on_2_and_1_ranks_and_exports_for_from_pretrained(tmp_path, kind):
+@pytest.mark.parametrize("kind", RESUME_KINDS)
+def test_a_sharded_run_resumes_on_2_and_1_ranks_and_exports_for_from_pretrained(tmp_path, kind, two_ranks):
     """fsdp on 2 ranks checkpoints each rank's shards of the weights and AdamW moments (lm.sharded_checkpoint); a
     resume on 2 ranks and in 1 process (resharded by DCP into whole tensors) holds exactly the saved weights and
     moments and trains on; policy/, gathered at the last save, loads with from_pretrained in one process and gives
@@ -191,8 +233,7 @@ def test_a_sharded_run_resumes_on_2_and_1_ranks_and_exports_for_from_pretrained(
     import torch
     from transformers import AutoModelForCausalLM
 
-    run = tmp_path / "run"
-    _torchrun(tmp_path, SAVE_SCRIPT, kind, str(run), "train")
+    run = two_ranks / f"run_{kind}"  # trained by the fixture's launch; only this test resumes it
     _torchrun(tmp_path, SAVE_SCRIPT, kind, str(run), "resume")
     proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), kind, str(run), "resume"],  # 1 process
                           env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)

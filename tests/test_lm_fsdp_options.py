@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from test_lm_fsdp import _torchrun
+from test_lm_fsdp import _chain
 
 OPTIONS_SCRIPT = r'''
 import json, sys
@@ -65,17 +65,52 @@ if dist.get_rank() == 0:
 UPDATE_FORWARDS = 2 * 2 * 2
 
 
+def _has_peft() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank launch (``_chain``) for every 2-rank run of this file that needs no launcher of its own: the
+    plain run, then gradient checkpointing, then offload (same seed and batches); with peft, the LoRA runs (GRPO
+    and DPO, data-parallel and sharded) and the sharded LoRA run that checkpoints. Its directory: ``options.json``,
+    ``two.json`` and ``lora_run/``."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    base = tmp_path_factory.mktemp("two_ranks")
+    scripts = [(OPTIONS_SCRIPT, [base / "options.json", "plain,checkpointing,offload"])]
+    if _has_peft():
+        scripts += [(LORA_SCRIPT, [base / "two.json", "grpo,dpo"]), (LORA_SAVE_SCRIPT, [base / "lora_run", "train"])]
+    _chain(base, *scripts)
+    return base
+
+
+@pytest.fixture(scope="module")
+def options(two_ranks):
+    """Each option's results, and the plain run they are held against."""
+    return json.loads((two_ranks / "options.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(two_ranks):
+    """One process after the 2-rank launch: the one-process DPO LoRA run (``one.json``) and the resume of the
+    sharded LoRA run (``lora_run/resume_1.json``)."""
+    pytest.importorskip("peft", reason="needs pip install -e '.[lora]'")
+    _chain(two_ranks, (LORA_SCRIPT, [two_ranks / "one.json", "dpo"]),
+           (LORA_SAVE_SCRIPT, [two_ranks / "lora_run", "resume"]), nproc=1)
+    return two_ranks
+
+
 @pytest.mark.slow
-def test_fsdp_gradient_checkpointing_recomputes_each_block_and_changes_no_number(tmp_path):
+def test_fsdp_gradient_checkpointing_recomputes_each_block_and_changes_no_number(options):
     """gradient_checkpointing under fsdp: every block's forward runs twice per update micro-batch (once more in
     the backward) instead of once, and 2 GRPO iterations give the same losses and weights as without it
     (measured: identical to the last bit on CPU; tolerance 1e-6, the recomputation may reorder a reduction)."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import torch
 
-    _torchrun(tmp_path, OPTIONS_SCRIPT, str(tmp_path / "out.json"), "plain,checkpointing")
-    out = json.loads((tmp_path / "out.json").read_text())
-    plain, ckpt = out["plain"], out["checkpointing"]
+    plain, ckpt = options["plain"], options["checkpointing"]
     blocks = plain["blocks"]
     assert plain["mlp_calls"] == UPDATE_FORWARDS * blocks
     assert ckpt["mlp_calls"] == 2 * UPDATE_FORWARDS * blocks
@@ -86,16 +121,14 @@ def test_fsdp_gradient_checkpointing_recomputes_each_block_and_changes_no_number
 
 
 @pytest.mark.slow
-def test_fsdp_offload_keeps_the_shards_and_adamw_states_in_cpu_memory_and_changes_no_number(tmp_path):
+def test_fsdp_offload_keeps_the_shards_and_adamw_states_in_cpu_memory_and_changes_no_number(options):
     """fsdp_offload: every sharded module of the policy and pi_ref (each block and the root) runs with FSDP2's
     CPUOffloadPolicy, its shards and AdamW's moments are in CPU memory, and 2 GRPO iterations give the run without
     it, to the last bit (measured on CPU, where the offload copies nothing; tolerance 1e-6 all the same)."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     import torch
 
-    _torchrun(tmp_path, OPTIONS_SCRIPT, str(tmp_path / "out.json"), "plain,offload")
-    out = json.loads((tmp_path / "out.json").read_text())
-    plain, offload = out["plain"], out["offload"]
+    plain, offload = options["plain"], options["offload"]
     assert plain["offload"] == ["OffloadPolicy"]  # FSDP2's default: no offload
     assert offload["offload"] == ["CPUOffloadPolicy"]
     assert offload["sharded_modules"] == 2 * (plain["blocks"] + 1)  # policy and pi_ref: each block, then the root
@@ -286,7 +319,7 @@ if ranks == 1 or dist.get_rank() == 0:
 
 
 @pytest.mark.slow
-def test_fsdp_lora_shards_the_frozen_base_and_the_adapter_and_matches_unsharded_runs(tmp_path):
+def test_fsdp_lora_shards_the_frozen_base_and_the_adapter_and_matches_unsharded_runs(lora_one_process):
     """A LoRA (peft) policy under fsdp: the adapter is applied before fully_shard, so each block's frozen base
     weights and its adapter are sharded together (each of 2 ranks holds about half of both) and only the adapter
     trains; pi_ref is the same sharded module with the adapter disabled. GRPO and DPO (3 iterations) give the
@@ -294,18 +327,10 @@ def test_fsdp_lora_shards_the_frozen_base_and_the_adapter_and_matches_unsharded_
     any number of ranks) the one-process run's (measured: equal bits vs data-parallel, 2.1e-7 vs one process)."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     pytest.importorskip("peft", reason="needs pip install -e '.[lora]'")
-    import subprocess
-    import sys
-
     import torch
 
-    from test_lm_fsdp import TIMEOUT, _env
-
-    _torchrun(tmp_path, LORA_SCRIPT, str(tmp_path / "two.json"), "grpo,dpo")
-    proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path / "one.json"), "dpo"],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    two, one = json.loads((tmp_path / "two.json").read_text()), json.loads((tmp_path / "one.json").read_text())
+    base = lora_one_process
+    two, one = json.loads((base / "two.json").read_text()), json.loads((base / "one.json").read_text())
     start = None
     for kind in ("grpo", "dpo"):
         ddp, fsdp = two[f"{kind}_ddp"], two[f"{kind}_fsdp"]
@@ -359,25 +384,17 @@ if world == 1 or dist.get_rank() == 0:
 
 
 @pytest.mark.slow
-def test_a_sharded_lora_run_resumes_in_one_process_and_exports_its_adapter(tmp_path):
+def test_a_sharded_lora_run_resumes_in_one_process_and_exports_its_adapter(lora_one_process):
     """A 2-rank fsdp LoRA GRPO run's sharded checkpoint resumes in one process with exactly its adapter, and the
     policy/ its last save wrote is a peft adapter that PeftModel.from_pretrained puts on the base model, giving
     the sharded model's logits."""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
     peft = pytest.importorskip("peft", reason="needs pip install -e '.[lora]'")
-    import subprocess
-    import sys
-
     import torch
 
     from ppokit.lm.tiny import build_char_tokenizer, build_tiny_llama
-    from test_lm_fsdp import TIMEOUT, _env
 
-    run = tmp_path / "run"
-    _torchrun(tmp_path, LORA_SAVE_SCRIPT, str(run), "train")
-    proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(run), "resume"], env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = lora_one_process / "lora_run"
     saved, resumed = (json.loads((run / name).read_text()) for name in ("train_2.json", "resume_1.json"))
     assert resumed["iteration"] == 2 and resumed["adapter"] == saved["adapter"]  # bit-exact, resharded by DCP
     assert (run / "policy" / "adapter_config.json").is_file()
