@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from test_lm_fsdp import SAVE_SCRIPT, TIMEOUT, _env, _torchrun
+from test_lm_fsdp import SAVE_SCRIPT, TIMEOUT, _chain, _env, _torchrun
 
 LAUNCH_S = 120  # one launch of a few iterations: a bound, not a wait (about 10 s on an idle 2-core machine)
 
@@ -191,7 +191,7 @@ from ppokit.lm import GRPOTrainer, LMConfig, PPOTrainer
 from ppokit.lm.fsdp import full
 from ppokit.lm.tiny import build_char_tokenizer, build_tiny_llama
 kind, run_dir, mode, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-moment = sys.argv[5] if len(sys.argv) > 5 else ""
+moment, at = (sys.argv[5].split("@") if len(sys.argv) > 5 else ["", "3"])
 pids = os.path.join(os.path.dirname(run_dir), "pids")
 os.makedirs(pids, exist_ok=True)
 open(os.path.join(pids, f"{os.getpid()}"), "w").close()
@@ -199,8 +199,8 @@ Trainer = GRPOTrainer if kind == "grpo" else PPOTrainer
 tok = build_char_tokenizer("ABX:", pad_is_eos=True)
 t = None
 def pause(where, rank=None):
-    # The moment the test kills at: in iteration 3's save (iteration 2's checkpoint published before it).
-    if moment == where and t is not None and t.iteration == 3 and (rank is None or dist.get_rank() == rank):
+    # The moment the test kills at ("writing@3": in iteration 3's save, iteration 2's checkpoint published before it).
+    if moment == where and t is not None and t.iteration == int(at) and (rank is None or dist.get_rank() == rank):
         open(os.path.join(os.path.dirname(run_dir), "paused"), "w").close()
         time.sleep(LIMIT)
 LIMIT = 50
@@ -289,8 +289,9 @@ def test_each_rank_writes_its_shard_and_a_resume_on_as_many_ranks_continues_exac
     full_run, split = tmp_path / "a", tmp_path / "b"
     full_run.mkdir()
     split.mkdir()
-    _finish(_launch(full_run, kind, str(full_run / "run"), "train", "3"))
-    _finish(_launch(split, kind, str(split / "run"), "train", "2"))
+    # The uninterrupted run and the first part of the split one: one launch, one trainer after the other.
+    _chain(tmp_path, (RUN_SCRIPT, [kind, full_run / "run", "train", "3"]),
+           (RUN_SCRIPT, [kind, split / "run", "train", "2"]))
     assert "resumed at 2" in _finish(_launch(split, kind, str(split / "run"), "resume", "3"))
     assert _rows(split / "run") == _rows(full_run / "run") and len(_rows(full_run / "run")) == 3
     a = json.loads((full_run / "train.json").read_text())["weights"]
@@ -309,17 +310,29 @@ def test_each_rank_writes_its_shard_and_a_resume_on_as_many_ranks_continues_exac
     assert (run / "trainer_state.pt").stat().st_size < 0.5 * both
 
 
+@pytest.fixture(scope="module")
+def consolidated(tmp_path_factory):
+    """A one-process fsdp GRPO run of 2 iterations (SAVE_SCRIPT): a consolidated checkpoint. Tests that change it
+    copy it first."""
+    pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    base = tmp_path_factory.mktemp("consolidated")
+    (base / "script.py").write_text(SAVE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(base / "script.py"), "grpo", str(base / "run"), "train"],
+                          env=_env(base), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return base / "run"
+
+
 @pytest.mark.slow
-def test_a_one_process_checkpoint_resumes_sharded_on_two_ranks_with_its_weights(tmp_path):
+def test_a_one_process_checkpoint_resumes_sharded_on_two_ranks_with_its_weights(tmp_path, consolidated):
     """1 -> 2 ranks: fsdp in one process trains unsharded and saves the whole tensors; a 2-rank resume shards
     them and holds exactly the saved weights and AdamW moments, then trains on. (2 -> 1 and 2 -> 2 from shards:
     test_lm_fsdp's resume test.)"""
     pytest.importorskip("transformers", reason="needs pip install -e '.[lm]'")
+    import shutil
+
     run = tmp_path / "run"
-    (tmp_path / "script.py").write_text(SAVE_SCRIPT)
-    proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), "grpo", str(run), "train"],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    shutil.copytree(consolidated, run)
     assert not list(run.glob("shards-*"))  # one process: the consolidated format
     _torchrun(tmp_path, SAVE_SCRIPT, "grpo", str(run), "resume")
     saved, resumed = (json.loads((run / name).read_text()) for name in ("train_1.json", "resume_2.json"))
@@ -327,9 +340,11 @@ def test_a_one_process_checkpoint_resumes_sharded_on_two_ranks_with_its_weights(
     assert resumed["weights"] == saved["weights"] and resumed["moments"] == saved["moments"]
 
 
-MOMENTS = {  # where the launch is killed -> the iteration whose checkpoint must survive
-    "writing": 2,  # rank 1 writing its shard file of iteration 3
-    "renamed": 2,  # shards-3-* in place, trainer_state.pt still naming iteration 2's
+# Where the launch is killed, in the save of which iteration -> the iteration whose checkpoint must survive. One
+# run meets them in turn: killed at the first, resumed, killed at the next, ..., then resumed to its end.
+MOMENTS = {
+    "writing@3": 2,  # rank 1 writing its shard file of iteration 3
+    "renamed@4": 3,  # shards-4-* in place, trainer_state.pt still naming iteration 3's
 }
 # Also passed, left out of the suite for its time (each moment is a ~25-40 s launch): "metadata" (both shard files
 # written, .metadata not yet: the same half-written directory as "writing") and "between" (in iteration 4's rollout,
@@ -337,46 +352,52 @@ MOMENTS = {  # where the launch is killed -> the iteration whose checkpoint must
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", list(MOMENTS))
-def test_kill_9_of_the_launch_at_any_moment_of_a_save_keeps_the_previous_checkpoint(tmp_path, moment, uninterrupted):
-    """SIGKILL to torchrun's process group at ``moment`` (the ranks run in sessions of their own: they die with
-    torchrun's agent, ``distributed.current``): no process of the launch is left;
-    trainer_state.pt loads and names a whole shards directory of the last finished save; no policy/ yet (the
-    periodic saves write shards only); a resume finishes the 6 iterations with the uninterrupted run's metrics
-    rows and weights, leaves one shards directory and no temp, and exports a policy/ from_pretrained loads."""
+def test_kill_9_of_the_launch_at_each_moment_of_a_save_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
+    """SIGKILL to torchrun's process group at each moment of ``MOMENTS`` in turn (the first in the fresh launch, the
+    next in the launch that resumed from it; the ranks run in sessions of their own: they die with torchrun's agent,
+    ``distributed.current``): after each, no process of the launch is left; trainer_state.pt loads and names a whole
+    shards directory of the last finished save; no policy/ yet (the periodic saves write shards only); the next
+    launch resumes there. The last resume finishes the 6 iterations with the uninterrupted run's metrics rows and
+    weights, leaves one shards directory and no temp, and exports a policy/ from_pretrained loads."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from ppokit.runtime.checkpoint import load_checkpoint
 
     run = tmp_path / "run"
-    proc = _launch(tmp_path, "grpo", str(run), "train", "6", moment)
-    try:
-        deadline = time.monotonic() + LAUNCH_S
-        while not (tmp_path / "paused").exists():
-            assert proc.poll() is None, proc.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "the run never reached the moment"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
+    mode, resumed_at = "train", None
+    for moment, survivor in MOMENTS.items():
+        proc = _launch(tmp_path, "grpo", str(run), mode, "6", moment)
+        try:
+            deadline = time.monotonic() + LAUNCH_S
+            while not (tmp_path / "paused").exists():
+                assert proc.poll() is None, f"{moment}: {proc.communicate()[1][-4000:]}"
+                assert time.monotonic() < deadline, f"{moment}: the run never reached the moment"
+                time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGKILL)
-    pids = [int(p.name) for p in (tmp_path / "pids").iterdir()]
-    assert len(pids) == 2
-    deadline = time.monotonic() + 30
-    while _alive([proc.pid, *pids]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive([proc.pid, *pids])  # no rank outlives the kill
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.stdout.read()
+        if resumed_at is not None:
+            assert f"resumed at {resumed_at}" in out, f"{moment}: {out}"
+        pids = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+        assert len(pids) == 2, f"{moment}: {pids}"
+        deadline = time.monotonic() + 30
+        while _alive([proc.pid, *pids]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive([proc.pid, *pids]), f"{moment}: a rank outlived the kill"
 
-    state = load_checkpoint(run / "trainer_state.pt")
-    assert state["iteration"] == MOMENTS[moment]
-    assert (run / state["shards"] / ".metadata").is_file()
-    assert not (run / "policy").exists()
-    (tmp_path / "pids").rename(tmp_path / "pids_train")
-    (tmp_path / "paused").unlink()
+        state = load_checkpoint(run / "trainer_state.pt")
+        assert state["iteration"] == survivor, f"{moment}: {state['iteration']}"
+        assert (run / state["shards"] / ".metadata").is_file(), moment
+        assert not (run / "policy").exists(), moment
+        (tmp_path / "pids").rename(tmp_path / f"pids_{moment}")
+        (tmp_path / "paused").unlink()
+        mode, resumed_at = "resume", survivor
     out = _finish(_launch(tmp_path, "grpo", str(run), "resume", "6"))
-    assert f"resumed at {MOMENTS[moment]}" in out
+    assert f"resumed at {resumed_at}" in out
     assert _rows(run) == _rows(uninterrupted / "run")
     assert (json.loads((tmp_path / "resume.json").read_text())["weights"]
             == json.loads((uninterrupted / "train.json").read_text())["weights"])
@@ -402,7 +423,8 @@ def test_bench_lm_checkpoint_smoke_writes_half_per_rank(tmp_path):
 
 @pytest.mark.slow
 def test_lm_export_consolidates_the_latest_shards_offline_into_what_the_final_save_exported(tmp_path,
-                                                                                          uninterrupted):
+                                                                                          uninterrupted,
+                                                                                          consolidated):
     """``ppokit lm export RUN OUT --model START`` in one process: OUT loads with from_pretrained and gives the
     logits of the policy/ that the run's final save gathered from the ranks (the same iteration's weights), bit for
     bit. An existing OUT and a consolidated (one-process) run are one error line, exit 2."""
@@ -430,10 +452,6 @@ def test_lm_export_consolidates_the_latest_shards_offline_into_what_the_final_sa
     assert torch.equal(ours, gathered)
     again = export(str(run), str(out), "--model", str(start))
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "exists" in again.stderr, again.stderr
-    consolidated = tmp_path / "one"
-    (tmp_path / "script.py").write_text(SAVE_SCRIPT)
-    subprocess.run([sys.executable, str(tmp_path / "script.py"), "grpo", str(consolidated), "train"],
-                   env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, check=True)
     refused = export(str(consolidated), str(tmp_path / "out2"), "--model", str(start))
     assert refused.returncode == 2 and "consolidated checkpoint" in refused.stderr, refused.stderr
     assert refused.stderr.count("\n") == 1 and not (tmp_path / "out2").exists()
