@@ -14,6 +14,20 @@ import time
 import gymnasium as gym
 
 
+def _first_past(steps: int, after: int, flag: str) -> bool:
+    """True for the first step past ``after`` of the first process to get there (it records its pid in ``flag``)."""
+    if steps <= after or os.path.exists(flag):
+        return False
+    with open(flag, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def _hang() -> None:
+    while True:
+        time.sleep(3600)
+
+
 class RaisingCartPole(gym.Wrapper):
     def __init__(self, flag: str, raise_after: int):
         super().__init__(gym.make("CartPole-v1"))
@@ -21,9 +35,7 @@ class RaisingCartPole(gym.Wrapper):
 
     def step(self, action):
         self.steps += 1
-        if self.steps > self.raise_after and not os.path.exists(self.flag):
-            with open(self.flag, "w") as f:
-                f.write(str(os.getpid()))
+        if _first_past(self.steps, self.raise_after, self.flag):
             raise RuntimeError("injected fault in the third chunk")
         return self.env.step(action)
 
@@ -63,11 +75,8 @@ class HangingCartPole(gym.Wrapper):
 
     def step(self, action):
         self.steps += 1
-        if self.steps > self.hang_after and not os.path.exists(self.flag):
-            with open(self.flag, "w") as f:
-                f.write(str(os.getpid()))
-            while True:
-                time.sleep(3600)
+        if _first_past(self.steps, self.hang_after, self.flag):
+            _hang()
         return self.env.step(action)
 
 
@@ -90,15 +99,10 @@ class FaultyCartPole(gym.Wrapper):
 
     def step(self, action):
         self.steps += 1
-        if self.steps > self.raise_after and not os.path.exists(self.raise_flag):
-            with open(self.raise_flag, "w") as f:
-                f.write(str(os.getpid()))
+        if _first_past(self.steps, self.raise_after, self.raise_flag):
             raise RuntimeError("injected fault in the third chunk")
-        if self.steps > self.hang_after and not os.path.exists(self.hang_flag):
-            with open(self.hang_flag, "w") as f:
-                f.write(str(os.getpid()))
-            while True:
-                time.sleep(3600)
+        if _first_past(self.steps, self.hang_after, self.hang_flag):
+            _hang()
         return self.env.step(action)
 
 
